@@ -1,0 +1,44 @@
+# Set-up is implicit: every target creates the virtual environment and installs treepack if needed.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TP     := $(VENV)/bin/treepack
+# The CPU wheel of torch; pinned so that pip never pulls the multi-GB CUDA build on its own.
+TORCH  ?= torch==2.13.0
+SAMPLE := datasets/samples/tau2_think.jsonl.gz
+
+.PHONY: install demo test bench bench-stats bench-packing bench-gpu lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[train,dev]"
+	touch $@
+
+demo: install
+	$(TP) stats $(SAMPLE)
+	$(TP) stats $(SAMPLE) --group-by tree_id --min-por 0.3
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: bench-stats bench-packing
+
+bench-stats: install
+	$(PY) benchmarks/stats.py
+
+bench-packing: install
+	$(PY) benchmarks/packing.py
+
+# Needs a CUDA machine: attention kernel and training-step benchmarks.
+bench-gpu: install
+	$(PY) benchmarks/attention.py
+	$(PY) benchmarks/train_step.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""The ``treepack`` command line: thin typer commands over the library, one module per command."""

@@ -1,0 +1,41 @@
+"""The typer application: registers one command per module of ``treepack.cli``.
+
+Each entry is (command name, module, function); modules are imported here, but heavy dependencies
+(torch) are imported inside the command functions so that ``treepack stats`` starts fast without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="treepack",
+    help="Find and exploit shared prefixes in LLM RL rollouts: stats, packing, tree-attention training.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+COMMANDS: list[tuple[str, str, str]] = [
+    ("stats", "treepack.cli.stats", "stats"),
+]
+
+
+def _register() -> None:
+    for name, module, attr in COMMANDS:
+        fn = getattr(importlib.import_module(module), attr)
+        app.command(name)(fn)
+
+
+_register()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

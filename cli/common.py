@@ -1,0 +1,44 @@
+"""What every command shares: error mapping, consoles, size options.
+
+Library errors (``TreepackError``) become ``Error: <message>`` on stderr and exit 1; usage errors are
+typer's (exit 2). Commands never print tracebacks for bad input.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, TypeVar
+
+import typer
+from rich.console import Console
+
+from treepack.errors import TreepackError
+
+F = TypeVar("F", bound=Callable)
+
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def fail(message: str, code: int = 1) -> "typer.Exit":
+    """Print ``Error: message`` on stderr (one line, no markup) and return the exit to raise."""
+    sys.stderr.write(f"Error: {message}\n")
+    sys.stderr.flush()
+    return typer.Exit(code)
+
+
+def handle_errors(fn: F) -> F:
+    """Map library exceptions to one-line errors with exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TreepackError as exc:
+            raise fail(str(exc)) from None
+        except BrokenPipeError:  # `treepack stats ... | head`
+            sys.stderr.close()
+            raise typer.Exit(0) from None
+
+    return wrapper  # type: ignore[return-value]

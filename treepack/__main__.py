@@ -1,0 +1,3 @@
+from treepack.cli.app import main
+
+main()
