@@ -24,6 +24,21 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
+def _version(value: bool) -> None:
+    if value:
+        from treepack import __version__
+
+        typer.echo(f"treepack {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Find and exploit shared prefixes in LLM RL rollouts: stats, packing, tree-attention training."""
+
+
 def _register() -> None:
     for name, module, attr in COMMANDS:
         fn = getattr(importlib.import_module(module), attr)

@@ -1,0 +1,151 @@
+"""``treepack stats``: prefix-sharing numbers of rollout files, and a CI data-quality gate."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from treepack.cli.common import console, err_console, handle_errors
+from treepack.errors import InputError
+from treepack.rollouts import Rollouts, expand_paths, read_rollouts
+from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES, Gate, TreeStats, compute_stats
+from treepack.tree import PrefixTree
+
+PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar when the inputs are at least this big
+
+
+def load_with_progress(files: list[str], *, tokens_field: str | None, on_error: str, quiet: bool) -> Rollouts:
+    """Read rollouts, with a progress bar on stderr for big inputs (unless ``quiet``)."""
+    paths = expand_paths(files)
+    sizes = [os.path.getsize(p) if p != "-" else 0 for p in paths]
+    if quiet or sum(sizes) < PROGRESS_MIN_BYTES:
+        return read_rollouts(paths, tokens_field=tokens_field, on_error=on_error)
+    with Progress(
+        TextColumn("reading"), BarColumn(), DownloadColumn(), TimeRemainingColumn(), console=err_console, transient=True
+    ) as bar:
+        task = bar.add_task("read", total=sum(sizes))
+        return read_rollouts(
+            paths, tokens_field=tokens_field, on_error=on_error, progress=lambda n: bar.advance(task, n)
+        )
+
+
+def render_stats(st: TreeStats, *, title: str) -> None:
+    t = Table(title=title, title_justify="left", show_header=True, header_style="bold")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_column("meaning", style="dim")
+    rows = [
+        ("sequences", f"{st.n_sequences:,}", "records read" + (f" ({st.n_skipped:,} skipped)" if st.n_skipped else "")),
+        ("N_flat", f"{st.n_flat_tokens:,}", "tokens a dense trainer computes"),
+        ("N_tree", f"{st.n_tree_tokens:,}", "tokens in the prefix trie"),
+        ("C", f"{st.compression:.3f}", "N_flat / N_tree"),
+        ("POR", f"{st.por:.4f}", "1 - N_tree / N_flat"),
+        ("C_leaf", f"{st.c_leaf:.3f}", "leaf sequences' tokens / N_tree"),
+        ("C_attn", f"{st.c_attn:.3f}", "attention pairs dense / tree"),
+        ("ideal speedup", f"{st.ideal_speedup:.2f}x", "1 / (1 - POR)"),
+        ("FLOP-model speedup", f"{st.flop_speedup:.2f}x", f"fwd+bwd FLOPs dense / tree, {st.model}"),
+    ]
+    if st.capacity is not None:
+        rows += [
+            ("capacity", f"{st.capacity:,}", f"tokens per pack, strategy {st.strategy}"),
+            ("packs", f"{st.n_packs:,}", "packs needed"),
+            ("N_pack", f"{st.n_pack_tokens:,}", "tokens over all packs"),
+            ("ERR", f"{st.err:.4f}", "1 - N_pack / N_flat"),
+            ("ERR speedup", f"{st.err_speedup:.2f}x", "1 / (1 - ERR)"),
+        ]
+    rows += [
+        ("nodes", f"{st.n_nodes:,}", "compressed trie nodes"),
+        ("leaves", f"{st.n_leaves:,}", "distinct sequences not a prefix of another"),
+        ("trees", f"{st.n_trees:,}", f"roots, in {st.n_scopes:,} scope(s)"),
+        ("duplicates", f"{st.n_duplicates:,}", "sequences equal to an earlier one"),
+        ("prefix-of-another", f"{st.n_prefix_of_another:,}", "distinct sequences extended by another"),
+        ("max depth", f"{st.max_depth:,}", "longest path (tokens)"),
+        ("mean leaf depth", f"{st.mean_depth:,.1f}", "mean leaf path length (tokens)"),
+        ("mean length", f"{st.mean_seq_len:,.1f}", "mean sequence length (tokens)"),
+    ]
+    for row in rows:
+        t.add_row(*row)
+    console.print(t)
+
+    if st.branching:
+        b = Table(title="branching (children per internal node)", title_justify="left", header_style="bold")
+        b.add_column("children", justify="right")
+        b.add_column("nodes", justify="right")
+        b.add_column("share", justify="right")
+        total = sum(st.branching.values())
+        items = sorted(st.branching.items())
+        shown = [(str(k), v) for k, v in items if k <= 8]
+        rest = sum(v for k, v in items if k > 8)
+        if rest:
+            shown.append((f"9-{st.max_branching}", rest))
+        for k, v in shown:
+            b.add_row(k, f"{v:,}", f"{v / total:.1%}")
+        console.print(b)
+
+    if st.groups:
+        g = Table(title=f"top {len(st.groups)} scopes by saved tokens", title_justify="left", header_style="bold")
+        for name, justify in (("scope", "left"), ("sequences", "right"), ("N_flat", "right"), ("N_tree", "right"),
+                              ("C", "right"), ("saved", "right")):
+            g.add_column(name, justify=justify)
+        for gs in st.groups:
+            g.add_row(str(gs.group), f"{gs.n_sequences:,}", f"{gs.n_flat_tokens:,}", f"{gs.n_tree_tokens:,}",
+                      f"{gs.compression:.2f}", f"{gs.saved_tokens:,}")
+        console.print(g)
+
+
+@handle_errors
+def stats(
+    files: List[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
+    tokens_field: Optional[str] = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
+    on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
+    group_by: str = typer.Option("none", "--group-by", help="Sharing scope: none (whole input) or tree_id."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", help=f"Model shape for the FLOP model: {', '.join(MODEL_SHAPES)}."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    top: int = typer.Option(10, "--top", help="Scopes shown in the per-scope summary."),
+    min_compression: Optional[float] = typer.Option(None, "--min-compression", help="Gate: fail below this C."),
+    min_por: Optional[float] = typer.Option(None, "--min-por", help="Gate: fail below this POR."),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Gate: fail if a sequence is longer."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Compression rate C, POR, C_leaf, C_attn and the shape of the prefix trees; exit 1 if a gate fails."""
+    if on_error not in ("raise", "skip"):
+        raise typer.BadParameter("must be 'raise' or 'skip'", param_hint="--on-error")
+    if model not in MODEL_SHAPES:
+        raise typer.BadParameter(f"unknown model {model!r}; known: {', '.join(MODEL_SHAPES)}", param_hint="--model")
+    rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet)
+    if len(rollouts) == 0:
+        reasons = ", ".join(f"{v} {k}" for k, v in rollouts.skipped.most_common())
+        raise InputError("no sequences to analyse" + (f": {rollouts.n_skipped} bad record(s) skipped ({reasons})" if reasons else ""))
+    tree = PrefixTree.build(rollouts, group_by=group_by)
+    st = compute_stats(tree, rollouts=rollouts, model=model, top_groups=top)
+    gate = Gate(min_compression=min_compression, min_por=min_por, max_seq_len=max_seq_len)
+    emit(st, gate, files=files, as_json=as_json, skipped_examples=rollouts.skipped_examples)
+
+
+def emit(st: TreeStats, gate: Gate, *, files: list[str], as_json: bool, skipped_examples: list[str]) -> None:
+    """Print the stats (tables or JSON), the skipped-record report, and apply the gate."""
+    failures = gate.check(st)
+    if as_json:
+        d = st.to_dict()
+        d["gate"] = {"passed": not failures, "failures": failures}
+        console.file.write(json.dumps(d) + "\n")
+    else:
+        names = ", ".join(Path(f).name if f != "-" else "<stdin>" for f in files[:3]) + (" ..." if len(files) > 3 else "")
+        render_stats(st, title=f"treepack stats: {names}")
+    if st.n_skipped:
+        reasons = ", ".join(f"{v} {k}" for k, v in sorted(st.skipped.items(), key=lambda kv: -kv[1]))
+        err_console.print(f"skipped {st.n_skipped} bad record(s): {reasons}", markup=False)
+        for ex in skipped_examples:
+            err_console.print(f"  {ex}", markup=False)
+    if failures:
+        for f in failures:
+            err_console.print(f"gate failed: {f}", markup=False)
+        raise typer.Exit(1)
+    if not as_json and any(v is not None for v in vars(gate).values()):
+        console.print("gate passed", markup=False)

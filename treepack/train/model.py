@@ -1,0 +1,543 @@
+"""A Qwen3 / Qwen2 / Llama decoder in pure torch, driven by ``position_ids`` and an attention context.
+
+Design and trade-offs:
+- **No batch dimension.** The model reads one flat stream of T tokens: a pack of tree tokens (DFS preorder)
+  or the concatenation of whole sequences (the dense baseline). Which tokens see each other is the
+  attention context's business, not the tensor shape's, so one code path serves every mode and no token
+  is ever padded to a rectangle.
+- **Positions are inputs.** RoPE angles come from ``position_ids`` (a token's depth in its tree = its offset
+  in the original sequence), never from the layout index. Restoring the original positions is what makes
+  tree and dense forwards compute the same function (Tree Training §3.2.3, eq. 16).
+- **One attention context per forward.** `AttentionContext` is built once from the pack (for tree mode it
+  carries the kernel's `TreeMaskInfo`, whose block schedule costs a host sync and is reused by every
+  layer) and handed to each layer. Two kinds: ``tree`` (``treepack.kernels.tree_attention`` with the
+  mask ``k <= q < subtree_end[k]``) and ``causal`` (independent sequences: per-sequence SDPA by default,
+  the dense baseline that shares no code with the tree kernel, or the tree kernel over chains).
+- **Cached prefixes (DFS mode).** ``forward(past_kv=...)`` takes per-layer keys/values of a prefix that
+  every query of the segment sees, and ``return_kv=True`` returns the segment's own per-layer keys/values
+  (post-RoPE), so a depth-first mode can forward a suffix over its cached path.
+- **Logits are not computed here.** ``forward`` returns the final-normed hidden states [T, D]; the losses
+  gather the rows they need and compute log-probs in chunks (losses.py). For Qwen3's 151,936-entry
+  vocabulary a 32k-token pack would otherwise hold 19 GB of float32 logits.
+- **Hugging Face names.** Modules are named as in ``transformers`` (``model.layers.0.self_attn.q_proj``),
+  so a local checkpoint loads with ``load_state_dict(strict=True)`` and ours load back into
+  ``transformers``. RMSNorm upcasts bf16/fp16 to float32 like HF; float64 stays float64 (the equivalence
+  tests run there).
+
+Families: ``qwen3`` (per-head q_norm/k_norm, no biases), ``qwen2`` (q/k/v biases), ``llama`` (optional
+``attention_bias``/``mlp_bias``); RoPE types default, linear and llama3; tied or untied output head.
+
+Legend (shape suffixes): T segment tokens, P cached-prefix tokens, D hidden size, H query heads,
+K key/value heads, E head dim, F MLP width, V vocabulary, S sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from treepack.errors import ConfigError
+
+FAMILIES = ("qwen3", "qwen2", "llama")
+ROPE_TYPES = ("default", "linear", "llama3")
+ATTENTION_IMPLS = ("auto", "reference", "flex", "triton", "sdpa")
+
+KV = tuple[Tensor, Tensor]  # (keys [P or T, K, E], values [P or T, K, E]) of one layer
+
+
+# --------------------------------------------------------------------------------------------------
+# Architecture
+
+
+@dataclass
+class ModelArgs:
+    """Architecture of a decoder: what ``config.json`` says, in our names."""
+
+    family: str = "qwen3"  # qwen3 | qwen2 | llama (decides the defaults of the flags below)
+    vocab_size: int = 256  # rows of the embedding (and of the output head)
+    hidden_size: int = 64  # D
+    intermediate_size: int = 176  # F, SwiGLU width
+    num_layers: int = 2
+    num_heads: int = 4  # H, query heads
+    num_kv_heads: int = 2  # K, key/value heads (GQA: H % K == 0)
+    head_dim: int = 16  # E
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...} or None
+    rms_norm_eps: float = 1e-6
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    qkv_bias: bool = False  # Qwen2: biases on q_proj, k_proj, v_proj
+    o_bias: bool = False  # Llama/Qwen3 attention_bias also puts a bias on o_proj
+    mlp_bias: bool = False  # Llama mlp_bias
+    tie_embeddings: bool = False  # output head shares the embedding matrix
+    init_std: float = 0.02  # std of the normal init of linear and embedding weights
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0 or self.init_std <= 0:
+            raise ConfigError("model rope_theta, rms_norm_eps and init_std must be positive")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(f"RoPE type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+    @classmethod
+    def for_family(cls, family: str, **sizes: Any) -> "ModelArgs":
+        """Random-init architecture with the family's structural flags (Qwen3 qk-norm, Qwen2 qkv bias)."""
+        flags = {"qwen3": {"qk_norm": True}, "qwen2": {"qkv_bias": True}, "llama": {}}
+        if family not in flags:
+            raise ConfigError(f"model family must be one of {', '.join(FAMILIES)}, got {family!r}")
+        return cls(family=family, **{**flags[family], **sizes})
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, *, source: str = "config.json") -> "ModelArgs":
+        """Map a Hugging Face ``config.json`` of the qwen3 / qwen2 / llama families onto ModelArgs."""
+        model_type = cfg.get("model_type")
+        if model_type not in FAMILIES:
+            raise ConfigError(
+                f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu', SwiGLU)")
+        if cfg.get("use_sliding_window"):
+            raise ConfigError(f"{source}: sliding-window attention (use_sliding_window=true) is not supported")
+        # transformers >= 5 writes rope_parameters {rope_type, rope_theta, ...}; older files rope_theta
+        # at the top level plus an optional rope_scaling {type|rope_type, factor, ...}.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10_000.0)))
+        rope_scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
+        if rope_type == "llama3":
+            rope_scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        heads = int(cfg["num_attention_heads"])
+        attention_bias = bool(cfg.get("attention_bias", False))
+        try:
+            return cls(
+                family=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=int(cfg["hidden_size"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+                rope_theta=theta,
+                rope_scaling=rope_scaling,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                qk_norm=model_type == "qwen3",
+                qkv_bias=model_type == "qwen2" or attention_bias,
+                o_bias=model_type != "qwen2" and attention_bias,
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                init_std=float(cfg.get("initializer_range", 0.02)),
+            )
+        except KeyError as exc:
+            raise ConfigError(f"{source}: missing field {exc.args[0]!r}") from None
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    def to_hf_config(self) -> dict:
+        """A ``config.json`` that ``transformers`` (and `from_hf_config`) read back as this architecture."""
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
+        cfg = {
+            "architectures": [arch[self.family]],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_embeddings,
+            "initializer_range": self.init_std,
+            "max_position_embeddings": 32768,
+        }
+        if self.family == "llama":
+            cfg.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        elif self.family == "qwen3":
+            cfg.update(attention_bias=self.qkv_bias)
+        return cfg
+
+    def num_params(self, *, embeddings: bool = True) -> int:
+        D, F_, E, H, K, V = (self.hidden_size, self.intermediate_size, self.head_dim, self.num_heads,
+                             self.num_kv_heads, self.vocab_size)
+        attn = D * E * (2 * H + 2 * K) + (E * (H + 2 * K) if self.qkv_bias else 0) + (D if self.o_bias else 0)
+        attn += 2 * E if self.qk_norm else 0
+        mlp = 3 * D * F_ + ((2 * F_ + D) if self.mlp_bias else 0)
+        body = self.num_layers * (attn + mlp + 2 * D) + D
+        emb = V * D * (1 if self.tie_embeddings else 2)
+        return body + (emb if embeddings else 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention context: built once per forward, read by every layer
+
+
+@dataclass
+class AttentionContext:
+    """Which keys each query sees, for one forward over T tokens (plus an optional cached prefix).
+
+    ``kind="tree"``: the mask ``k <= q < subtree_end[k]`` through ``treepack.kernels.tree_attention``;
+    ``mask`` is an int32 [T] tensor or the kernel's prepared `TreeMaskInfo` (block schedule built once).
+    ``kind="causal"``: independent causal sequences of ``lengths`` laid end to end, each run through
+    ``F.scaled_dot_product_attention`` (``impl="sdpa"``): the dense baseline.
+    """
+
+    kind: str  # "tree" | "causal"
+    impl: str = "auto"  # tree kernel backend (auto | reference | flex | triton) or "sdpa" for causal
+    mask: Any = None  # tree: int32 [T] subtree_end or TreeMaskInfo
+    lengths: tuple[int, ...] = ()  # causal: sequence lengths, summing to T
+
+    @classmethod
+    def tree(cls, subtree_end_T: Tensor, impl: str = "auto") -> "AttentionContext":
+        """Tree attention over one pack; prepares the kernel's block schedule once when it will be used."""
+        from treepack.kernels import prepare
+
+        if impl not in ATTENTION_IMPLS or impl == "sdpa":
+            raise ConfigError(f"tree attention impl must be auto, reference, flex or triton, got {impl!r}")
+        subtree_end_T = subtree_end_T.to(torch.int32)
+        # The schedule validates k < subtree_end[k] <= T (one sync) and lets the GPU backends skip
+        # masked blocks; the reference backend reads subtree_end directly.
+        mask = prepare(subtree_end_T) if subtree_end_T.device.type == "cuda" else subtree_end_T
+        return cls(kind="tree", impl=impl, mask=mask)
+
+    @classmethod
+    def causal(cls, lengths: Sequence[int], impl: str = "sdpa", device: torch.device | None = None
+               ) -> "AttentionContext":
+        """Independent causal sequences: SDPA per sequence, or the tree kernel over a forest of chains."""
+        lengths = tuple(int(n) for n in lengths)
+        if impl == "sdpa":
+            return cls(kind="causal", impl="sdpa", lengths=lengths)
+        from treepack.kernels import chains_subtree_end
+
+        return cls.tree(chains_subtree_end(lengths, device=device), impl)
+
+    def attend(self, q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, prefix: KV | None) -> Tensor:
+        if self.kind == "tree":
+            from treepack.kernels import tree_attention
+
+            prefix_k, prefix_v = prefix if prefix is not None else (None, None)
+            return tree_attention(q_THE, k_TKE, v_TKE, self.mask, prefix_k=prefix_k, prefix_v=prefix_v,
+                                  impl=self.impl)
+        if prefix is not None:
+            raise ValueError("a cached prefix needs a tree attention context (the causal one has none)")
+        return _causal_sdpa(q_THE, k_TKE, v_TKE, self.lengths)
+
+
+def _causal_sdpa(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, lengths: Sequence[int]) -> Tensor:
+    """Causal attention within each of the concatenated sequences (one SDPA call per sequence)."""
+    T, H, E = q_THE.shape
+    if sum(lengths) != T:
+        raise ValueError(f"causal attention: sequence lengths sum to {sum(lengths)}, tokens T={T}")
+    groups = H // k_TKE.shape[1]
+    outs, start = [], 0
+    for n in lengths:
+        q_HLE = q_THE[start : start + n].transpose(0, 1)
+        k_HLE = k_TKE[start : start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
+        v_HLE = v_TKE[start : start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
+        outs.append(F.scaled_dot_product_attention(q_HLE, k_HLE, v_HLE, is_causal=True).transpose(0, 1))
+        start += n
+    return torch.cat(outs, dim=0) if len(outs) != 1 else outs[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(args: ModelArgs, dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
+    """Inverse frequencies [E/2]; float32 computed exactly as ``transformers`` does, float64 natively."""
+    E = args.head_dim
+    idx = torch.arange(0, E, 2, dtype=torch.int64, device=device).to(dtype)
+    inv_freq = 1.0 / (args.rope_theta ** (idx / E))
+    scaling = args.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(args: ModelArgs, position_ids_T: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, E] at the given positions (float64 for float64 models, else float32)."""
+    rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = rope_inv_freq(args, rope_dtype, position_ids_T.device)
+    freqs_TE2 = position_ids_T.to(rope_dtype)[:, None] * inv_freq[None, :]
+    emb_TE = torch.cat([freqs_TE2, freqs_TE2], dim=-1)
+    return emb_TE.cos(), emb_TE.sin()
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x_TNE: Tensor, cos_TE: Tensor, sin_TE: Tensor) -> Tensor:
+    cos, sin = cos_TE[:, None, :], sin_TE[:, None, :]
+    return (x_TNE * cos + _rotate_half(x_TNE) * sin).to(x_TNE.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        D, H, K, E = args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = H, K, E
+        self.q_proj = nn.Linear(D, H * E, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(D, K * E, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(D, K * E, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(H * E, D, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(E, args.rms_norm_eps)
+            self.k_norm = RMSNorm(E, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x_TD: Tensor, cos_TE: Tensor, sin_TE: Tensor, attn: AttentionContext,
+                past: KV | None) -> tuple[Tensor, KV]:
+        T = x_TD.shape[0]
+        q_THE = self.q_proj(x_TD).view(T, self.num_heads, self.head_dim)
+        k_TKE = self.k_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
+        v_TKE = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q_THE, k_TKE = self.q_norm(q_THE), self.k_norm(k_TKE)
+        q_THE, k_TKE = apply_rope(q_THE, cos_TE, sin_TE), apply_rope(k_TKE, cos_TE, sin_TE)
+        # Under autocast the projections come out in the autocast dtype while norms may promote: the
+        # kernel takes one dtype, that of v (a plain projection).
+        q_THE, k_TKE = q_THE.to(v_TKE.dtype), k_TKE.to(v_TKE.dtype)
+        if past is not None:
+            past = (past[0].to(v_TKE.dtype), past[1].to(v_TKE.dtype))
+        o_THE = attn.attend(q_THE, k_TKE, v_TKE, past)
+        return self.o_proj(o_THE.reshape(T, -1)), (k_TKE, v_TKE)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        D, F_ = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(D, F_, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(D, F_, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(F_, D, bias=args.mlp_bias)
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x_TD: Tensor, cos_TE: Tensor, sin_TE: Tensor, attn: AttentionContext,
+                past: KV | None) -> tuple[Tensor, KV]:
+        a_TD, kv = self.self_attn(self.input_layernorm(x_TD), cos_TE, sin_TE, attn, past)
+        x_TD = x_TD + a_TD
+        x_TD = x_TD + self.mlp(self.post_attention_layernorm(x_TD))
+        return x_TD, kv
+
+
+class DecoderBody(nn.Module):
+    """What ``transformers`` calls ``model``: embeddings, layers, final norm."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+@dataclass
+class DecoderOutput:
+    hidden_TD: Tensor  # final-normed hidden states; logits = hidden @ head_weight.T
+    kv: list[KV] = field(default_factory=list)  # per layer, the segment's (keys, values) when requested
+
+
+class Decoder(nn.Module):
+    """The causal LM: ``forward`` gives hidden states, ``head_weight`` [V, D] maps them to logits."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DecoderBody(args)
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.activation_checkpointing = False  # recompute each layer in backward (saves activations)
+
+    @property
+    def head_weight(self) -> Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(
+        self,
+        input_ids_T: Tensor,
+        position_ids_T: Tensor,
+        attn: AttentionContext,
+        *,
+        past_kv: Sequence[KV] | None = None,
+        return_kv: bool = False,
+    ) -> DecoderOutput:
+        """Hidden states of T tokens. ``past_kv``: per layer (keys [P, K, E], values [P, K, E]) of a
+        cached prefix visible to every token (its positions precede ``position_ids_T``)."""
+        if past_kv is not None and len(past_kv) != self.args.num_layers:
+            raise ValueError(f"past_kv must have one (k, v) per layer ({self.args.num_layers}), got {len(past_kv)}")
+        x_TD = self.model.embed_tokens(input_ids_T)
+        cos_TE, sin_TE = rope_cos_sin(self.args, position_ids_T, x_TD.dtype)
+        kv_out: list[KV] = []
+        for i, layer in enumerate(self.model.layers):
+            past = None if past_kv is None else past_kv[i]
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x_TD, kv = torch.utils.checkpoint.checkpoint(
+                    layer, x_TD, cos_TE, sin_TE, attn, past, use_reentrant=False
+                )
+            else:
+                x_TD, kv = layer(x_TD, cos_TE, sin_TE, attn, past)
+            if return_kv:
+                kv_out.append(kv)
+        return DecoderOutput(hidden_TD=self.model.norm(x_TD), kv=kv_out)
+
+    def logits(self, hidden_ND: Tensor) -> Tensor:
+        """Full-vocabulary logits of a few rows (tests, sampling); losses use chunked log-probs instead."""
+        return hidden_ND @ self.head_weight.T
+
+    # ---------------------------------------------------------------------------------------------
+    # Construction
+
+    @classmethod
+    def random_init(cls, args: ModelArgs, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> "Decoder":
+        """Random weights as ``transformers`` initialises them (normal(0, init_std), zero biases, unit
+        norms), drawn on the CPU from ``seed`` in parameter order: identical on every device."""
+        with torch.device("meta"):
+            model = cls(args)
+        model.to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * args.init_std)
+        return model.to(device=device, dtype=dtype)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "Decoder":
+        """Load a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``)."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{cfg_path}: not valid JSON ({exc})") from None
+        args = ModelArgs.from_hf_config(cfg, source=str(cfg_path))
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"{path}: no *.safetensors weights")
+        with torch.device("meta"):
+            model = cls(args)
+        expected = dict(model.state_dict())
+        state: dict[str, Tensor] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for key in sf.keys():
+                    name = _hf_key(key, expected)
+                    if name is None:
+                        continue
+                    if name not in expected:
+                        raise ConfigError(f"{f}: unexpected tensor {key!r} for a {args.family} model")
+                    t = sf.get_tensor(key)
+                    if tuple(t.shape) != tuple(expected[name].shape):
+                        raise ConfigError(
+                            f"{f}: tensor {key!r} has shape {list(t.shape)}, "
+                            f"config.json implies {list(expected[name].shape)}"
+                        )
+                    state[name] = t.to(device=device, dtype=dtype)
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise ConfigError(f"{path}: checkpoint lacks {', '.join(missing[:3])}{more}")
+        model.load_state_dict(state, strict=True, assign=True)
+        return model
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write ``config.json`` + ``model.safetensors`` (loadable by `from_pretrained` and transformers)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        cfg = {**self.args.to_hf_config(), "torch_dtype": str(self.dtype).removeprefix("torch.")}
+        (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _hf_key(key: str, expected: dict) -> str | None:
+    """Our parameter name for a checkpoint key; None for keys to skip (rotary buffers, a tied head)."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return None
+    if key not in expected and not key.startswith(("model.", "lm_head.")) and "model." + key in expected:
+        key = "model." + key  # saved from the bare ``*Model`` instead of ``*ForCausalLM``
+    if key == "lm_head.weight" and "lm_head.weight" not in expected:
+        return None  # tied: the head is the embedding
+    return key
+
