@@ -116,6 +116,8 @@ def stats(
     """Compression rate C, POR, C_leaf, C_attn and the shape of the prefix trees; exit 1 if a gate fails."""
     if on_error not in ("raise", "skip"):
         raise typer.BadParameter("must be 'raise' or 'skip'", param_hint="--on-error")
+    if group_by not in ("none", "tree_id"):
+        raise typer.BadParameter("must be 'none' or 'tree_id'", param_hint="--group-by")
     if model not in MODEL_SHAPES:
         raise typer.BadParameter(f"unknown model {model!r}; known: {', '.join(MODEL_SHAPES)}", param_hint="--model")
     rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet)

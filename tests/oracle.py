@@ -100,3 +100,44 @@ def ancestor_mask(parent):
             mask[q][k] = True
             k = parent[k]
     return mask
+
+
+def naive_stats(seqs, scopes=None):
+    """The §4 numbers by walking a dict trie token by token (fast enough for a few million tokens)."""
+    scopes = list(scopes) if scopes is not None else [0] * len(seqs)
+    roots: dict = {}
+    n_tree = 0
+    tree_pairs = 0
+    for s, sc in zip(seqs, scopes):
+        node = roots.setdefault(sc, {})
+        for d, t in enumerate(s):
+            child = node.get(t)
+            if child is None:
+                child = node[t] = {}
+                n_tree += 1
+                tree_pairs += d + 1
+            node = child
+    distinct = {(sc, tuple(s)) for s, sc in zip(seqs, scopes)}
+    by_scope: dict = {}
+    for sc, s in distinct:
+        by_scope.setdefault(sc, []).append(s)
+    leaves = []
+    for sc, group in by_scope.items():
+        group.sort()
+        for i, s in enumerate(group):
+            nxt = group[i + 1] if i + 1 < len(group) else None
+            if nxt is None or nxt[: len(s)] != s:
+                leaves.append(s)
+    n_flat = sum(len(s) for s in seqs)
+    flat_pairs = sum(len(s) * (len(s) + 1) // 2 for s in seqs)
+    return {
+        "n_sequences": len(seqs),
+        "n_flat_tokens": n_flat,
+        "n_tree_tokens": n_tree,
+        "compression": n_flat / n_tree,
+        "por": 1 - n_tree / n_flat,
+        "c_leaf": sum(len(s) for s in leaves) / n_tree,
+        "c_attn": flat_pairs / tree_pairs,
+        "n_leaves": len(leaves),
+        "max_depth": max(len(s) for s in seqs),
+    }

@@ -468,6 +468,7 @@ def _ingest_table(
     n = table.num_rows
     drop = np.zeros(n, dtype=bool)
     reasons: list[tuple[str, np.ndarray, str]] = []
+    first_error: list[tuple[int, str]] = []  # raise mode: the earliest bad row wins, whatever the check
 
     def row_problem(reason: str, rows: np.ndarray, message_of: Callable[[int], str]):
         if len(rows) == 0:
@@ -476,7 +477,10 @@ def _ingest_table(
             raise _FastPathRejected
         if on_error != "skip":
             r = int(rows[0])
-            raise InputError(f"{name}: {row_word} {row_base + r}: {message_of(r)}")
+            if not first_error or r < first_error[0][0]:
+                first_error[:] = [(r, message_of(r))]
+            drop[rows] = True
+            return
         new = rows[~drop[rows]]
         drop[new] = True
         if len(new):
@@ -604,6 +608,9 @@ def _ingest_table(
     advs = scalar("advantage", "number")
     rews = scalar("reward", "number")
 
+    if first_error:
+        r, message = first_error[0]
+        raise InputError(f"{name}: {row_word} {row_base + r}: {message}")
     keep = ~drop
     kept = int(keep.sum())
     if reasons and skipped is not None:
@@ -794,9 +801,9 @@ def to_arrow(r: Rollouts) -> pa.Table:
     if r.logprobs is not None:
         cols["logprobs"] = pa.LargeListArray.from_arrays(off32, pa.array(r.logprobs))
     if r.advantages is not None:
-        cols["advantage"] = pa.array(r.advantages)
+        cols["advantage"] = pa.array(r.advantages, from_pandas=True)  # NaN (absent) -> null
     if r.rewards is not None:
-        cols["reward"] = pa.array(r.rewards)
+        cols["reward"] = pa.array(r.rewards, from_pandas=True)
     return pa.table(cols)
 
 

@@ -32,6 +32,8 @@ from treepack.rollouts import Rollouts, _ranges
 
 SCOPES = ("none", "tree_id", "step")
 _KEY_CHUNK = 1 << 22  # tokens converted to big-endian bytes at a time (bounds the temporary copy)
+_LCP_CHUNK = 1 << 22  # compared tokens per vectorised LCP slice (bounds the index temporaries)
+_GALLOP_MAX = 256  # widest vectorised LCP window; longer common prefixes are finished pair by pair
 
 
 def scope_codes(r: Rollouts, group_by: str | None = None) -> tuple[np.ndarray | None, list | None]:
@@ -83,28 +85,49 @@ def lexicographic_order(tokens: np.ndarray, offsets: np.ndarray, scope: np.ndarr
 def adjacent_lcp(tokens: np.ndarray, starts_a: np.ndarray, starts_b: np.ndarray, max_len: np.ndarray) -> np.ndarray:
     """LCP of ``tokens[starts_a[p]:]`` and ``tokens[starts_b[p]:]`` capped at ``max_len[p]``, for all pairs p.
 
-    Galloping: compare a window of 16 tokens per pair, then keep only the pairs that matched the whole
-    window and double it, so the work is ~2x the answer plus 16 per pair, all in vectorised numpy.
+    Two phases. Galloping first: compare a window of 16 tokens of every pair at once (gathered indices),
+    keep the pairs that matched the whole window and double it, up to ``_GALLOP_MAX``; most pairs end here
+    (work ~2x their LCP + 16). The pairs still equal share long prefixes (system prompts, conversation
+    histories): for them gathered indices would cost ~10 ns a token, so each is finished by comparing
+    contiguous slices in doubling blocks (~1 ns a token plus a few microseconds a pair). On the real
+    tau-bench file (6.1M shared tokens over 1,786 pairs) this took LCPs from 110 ms to 18 ms.
     """
     m = len(max_len)
     lcp = np.zeros(m, dtype=np.int64)
-    active = np.flatnonzero(max_len > 0)
     pos = np.zeros(m, dtype=np.int64)
+    active = np.flatnonzero(max_len > 0)
     window = 16
-    while len(active):
-        w = np.minimum(window, max_len[active] - pos[active])
-        ia = _ranges(starts_a[active] + pos[active], w)
-        ib = _ranges(starts_b[active] + pos[active], w)
-        neq = tokens[ia] != tokens[ib]
-        local = np.arange(len(neq), dtype=np.int64) - np.repeat(np.cumsum(w) - w, w)
-        cand = np.where(neq, local, np.repeat(w, w))
-        seg_start = np.cumsum(w) - w
-        first = np.minimum.reduceat(cand, seg_start) if len(cand) else np.zeros(0, np.int64)
-        lcp[active] += first
-        pos[active] += w
-        done = (first < w) | (pos[active] >= max_len[active])
-        active = active[~done]
-        window = min(window * 2, 1 << 16)
+    while len(active) and window <= _GALLOP_MAX:
+        w_all = np.minimum(window, max_len[active] - pos[active])
+        bounds = np.searchsorted(np.cumsum(w_all), np.arange(_LCP_CHUNK, int(w_all.sum()), _LCP_CHUNK))
+        still = []
+        for part, w in zip(np.split(active, bounds), np.split(w_all, bounds)):
+            if not len(part):
+                continue
+            ia = _ranges(starts_a[part] + pos[part], w)
+            ib = _ranges(starts_b[part] + pos[part], w)
+            seg = np.cumsum(w) - w
+            local = np.arange(len(ia), dtype=np.int64) - np.repeat(seg, w)
+            cand = np.where(tokens[ia] != tokens[ib], local, np.repeat(w, w))
+            first = np.minimum.reduceat(cand, seg)
+            lcp[part] += first
+            pos[part] += w
+            still.append(part[(first == w) & (pos[part] < max_len[part])])
+        active = np.concatenate(still) if still else active[:0]
+        window *= 2
+    for p in active.tolist():
+        a, b, at, end = int(starts_a[p]), int(starts_b[p]), int(pos[p]), int(max_len[p])
+        block = 4096
+        while at < end:
+            stop = min(end, at + block)
+            neq = tokens[a + at : a + stop] != tokens[b + at : b + stop]
+            k = int(neq.argmax())
+            if neq[k]:
+                at += k
+                break
+            at = stop
+            block *= 2
+        lcp[p] = at
     return lcp
 
 

@@ -17,7 +17,7 @@ Shape suffixes: T pack tokens, P prefix tokens, H query heads, K kv heads, D hea
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import math
 import os
 
@@ -44,8 +44,6 @@ def _interpreting() -> bool:
 
 def triton_unsupported_reason(q: Tensor) -> str | None:
     """Why the triton backend cannot run on these (validated) inputs, or None if it can."""
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
     if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
         return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {q.device}"
     if q.dtype not in TRITON_DTYPES:
@@ -54,7 +52,18 @@ def triton_unsupported_reason(q: Tensor) -> str | None:
     if q.shape[-1] not in TRITON_HEAD_DIMS:
         dims = ", ".join(str(d) for d in TRITON_HEAD_DIMS)
         return f"the triton backend supports head dims {dims}, got D={q.shape[-1]}"
+    if not _triton_importable():
+        return "triton is not installed"
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _validate(

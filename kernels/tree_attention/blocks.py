@@ -12,10 +12,14 @@ tokens, one host sync for validation) and then reused by every layer of the mode
   *fully visible* to a query block [q0, q1) iff ``k1 - 1 <= q0`` and ``min > q1 - 1`` (no mask test), and
   *empty* iff ``k0 > q1 - 1`` or ``max <= q0``. Both tests are exact for aligned blocks: a non-empty pair
   of blocks always holds at least one visible (q, k).
-* per query block (``block_m`` queries): the ascending list of its non-empty key blocks (a compacted
-  [M, N] int32 table plus a count). The visible keys of a query are its ancestors, scattered over [0, q];
-  on a tree with many branches most key blocks below the diagonal are empty, and the kernels loop only
-  over the listed ones. The table costs 4·M·N bytes: 1 MiB for a 32k-token pack at 128 x 64 blocks.
+* per query block (``block_m`` queries): its non-empty key blocks, the fully visible ones first, then the
+  partial ones (a compacted [M, N] int32 table plus two counts). The visible keys of a query are its
+  ancestors, scattered over [0, q]; on a tree with many branches most key blocks below the diagonal are
+  empty, and the kernels loop only over the listed ones, in two loops: one with no mask test at all and
+  one with it (no per-block branch inside a loop, so both software-pipeline). The table costs 4·M·N
+  bytes: 512 KiB for a 32k-token pack at 128 x 64 blocks.
+* the query blocks in order of decreasing work (listed key blocks), so that the kernels start the
+  longest programs first (longest-processing-time scheduling; ragged trees otherwise leave a tail).
 
 The transposed direction needs no table: the queries that see key k are exactly [k, subtree_end[k]), so
 the queries that see a key block [k0, k1) form the contiguous range [k0, max subtree_end[k0:k1]).
@@ -79,8 +83,10 @@ class TreeMaskInfo:
     block_n: int  # keys per key block
     kv_min_N: Tensor  # int32 [N]: min subtree_end over a key block; 0 for a ragged last block (never full)
     kv_max_N: Tensor  # int32 [N]: max subtree_end over a key block
-    kv_list_MN: Tensor  # int32 [M, N]: per query block, its non-empty key blocks ascending, padded with N
-    kv_count_M: Tensor  # int32 [M]: how many entries of kv_list_MN are valid
+    kv_list_MN: Tensor  # int32 [M, N]: per query block, full key blocks then partial ones, padded with N
+    kv_full_M: Tensor  # int32 [M]: entries [0, kv_full_M) of a row are fully visible key blocks
+    kv_count_M: Tensor  # int32 [M]: entries [kv_full_M, kv_count_M) are partial, the rest padding
+    q_order_M: Tensor  # int32 [M]: query blocks by decreasing kv_count_M (the launch order)
     cache: dict = field(default_factory=dict, repr=False)  # backend-specific derived objects (flex masks)
 
     @property
@@ -128,17 +134,25 @@ def prepare(
     q_last_M = torch.clamp(q0_M + block_m, max=T) - 1
     k0_N = torch.arange(N, device=dev, dtype=torch.int32) * block_n
     nonempty_MN = (k0_N[None, :] <= q_last_M[:, None]) & (kv_max_N[None, :] > q0_M[:, None])
+    full_MN = (k0_N[None, :] + (block_n - 1) <= q0_M[:, None]) & (kv_min_N[None, :] > q_last_M[:, None])
     kv_count_M = nonempty_MN.sum(1, dtype=torch.int32)
-    cols_MN = torch.where(nonempty_MN, k0_N[None, :] // block_n, N)
-    kv_list_MN = cols_MN.sort(dim=1).values.to(torch.int32).contiguous()
+    kv_full_M = full_MN.sum(1, dtype=torch.int32)
+    # Sort key: full blocks first (kb), then partial ones (N + kb), then padding (2N); ascending within each.
+    kb_N = torch.arange(N, device=dev, dtype=torch.int32)
+    key_MN = torch.where(full_MN, kb_N, torch.where(nonempty_MN, N + kb_N, 2 * N))
+    key_MN = key_MN.sort(dim=1).values
+    kv_list_MN = torch.where(key_MN < N, key_MN, torch.where(key_MN < 2 * N, key_MN - N, N)).to(torch.int32)
+    q_order_M = torch.argsort(kv_count_M, descending=True, stable=True).to(torch.int32)
     return TreeMaskInfo(
         subtree_end_T=subtree_end_T,
         block_m=block_m,
         block_n=block_n,
         kv_min_N=kv_min_N.contiguous(),
         kv_max_N=kv_max_N.contiguous(),
-        kv_list_MN=kv_list_MN,
+        kv_list_MN=kv_list_MN.contiguous(),
+        kv_full_M=kv_full_M.contiguous(),
         kv_count_M=kv_count_M.contiguous(),
+        q_order_M=q_order_M.contiguous(),
     )
 
 

@@ -1,0 +1,727 @@
+"""Fused tree attention in Triton: forward and backward driven by the per-pack block schedule.
+
+Mask: query q sees key k iff ``k <= q < subtree_end[k]`` (plus P prefix keys seen by every query).
+`blocks.prepare` classifies (query block, key block) pairs once per pack into empty / full / partial; the
+kernels here never test an empty pair and run the mask test only on partial ones.
+
+Forward (grid: heads x query blocks, heaviest query blocks first)
+    Online softmax in base 2 (scores pre-multiplied by scale·log2 e), FlashAttention-2 style. Per
+    program: one loop over prefix blocks (no tree test), one loop over the query block's *full* key blocks
+    (no test at all) and one over its *partial* key blocks (tests ``k <= q < subtree_end[k]``, one int32
+    load per key). Saves lse [Hq, T] in float32 (base 2) for the backward.
+
+Backward: delta = rowsum(dO·O) (a small kernel), then two kernels, no atomics:
+* dK/dV, one program per (kv head, key block of BLOCK_N1): the queries that see a key block form the
+  contiguous range [k0, max subtree_end) (the union of its keys' subtree ranges, each starting inside
+  the block), and inside it the fully visible query blocks are contiguous too: [k1 - 1, min
+  subtree_end). So a program runs partial / full / partial loops over query blocks computed from two
+  in-kernel reductions, with no table. The GQA group's query heads are looped inside the program, so dK
+  and dV are summed in registers: deterministic, and no fp32 scratch of [T, Hkv, D]. Key blocks near the
+  root see the whole pack; they have the lowest indices and launch first.
+* dQ, one program per (head, query block): the forward's traversal (prefix, full, partial), recomputing P.
+  A separate kernel costs 2 extra matmuls of 7 (P and dP are recomputed), but avoids fp32 atomics on
+  dQ: in a tree the root key blocks are seen by every query block, so atomic dQ updates would pile onto
+  the same rows from every dK/dV program. Deterministic results make the equivalence tests exact.
+
+Prefix (DFS mode): in the forward and dQ kernels a loop over P keys with only a bounds test; dK/dV of
+the prefix come from the dK/dV kernel in prefix mode (all T queries, full blocks only).
+
+Block sizes. `prepare` fixes the schedule granularity (SCHED_M x SCHED_N = 128 x 64 on GPU). Forward and
+dQ use BLOCK_N = SCHED_N and a BLOCK_M dividing SCHED_M (a sub-block walks its schedule row's list,
+which is a superset, and the mask keeps it exact); dK/dV choose (BLOCK_N1, BLOCK_M1) freely. On GPU the
+tile shapes, warps and stages are autotuned per (head dim, GQA group, dtype); `PINNED` is the fixed
+configuration used by tests and by the Triton interpreter.
+
+FLOPs per visible (q, k) pair and head: forward 4·D (QK^T and PV), backward 10·D in this design
+(QK^T, dP, dV, dK in the dK/dV kernel; QK^T, dP, dQ in the dQ kernel: 7 matmuls, 2.5x + 0.5x recompute).
+
+Shape suffixes: T pack tokens, P prefix tokens, H query heads, K kv heads, D head dim, M query blocks of
+the schedule, N key blocks of the schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .blocks import TreeMaskInfo, prepare
+
+__all__ = ["tree_attention_triton", "KernelConfig", "PINNED", "GPU_DEFAULT", "schedule_for"]
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shapes of the three kernels; ``autotune`` lets Triton pick shapes, warps and stages on GPU."""
+
+    sched_m: int = 128  # queries per schedule row (prepare's block_m)
+    sched_n: int = 64  # keys per schedule block (prepare's block_n) = forward / dQ BLOCK_N
+    fwd_block_m: int = 128  # forward queries per program, divides sched_m
+    dq_block_m: int = 128  # dQ queries per program, divides sched_m
+    dkdv_block_n: int = 128  # dK/dV keys per program
+    dkdv_block_m: int = 64  # dK/dV queries per inner step
+    num_warps: int = 8
+    num_stages: int = 3
+    autotune: bool = True
+
+    def __post_init__(self):
+        for name in ("sched_m", "sched_n", "fwd_block_m", "dq_block_m", "dkdv_block_n", "dkdv_block_m"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value}")
+        for name in ("fwd_block_m", "dq_block_m"):
+            if self.sched_m % getattr(self, name):
+                raise ValueError(f"KernelConfig.{name}={getattr(self, name)} must divide sched_m={self.sched_m}")
+
+    def as_list(self) -> list[int]:
+        return [
+            self.sched_m,
+            self.sched_n,
+            self.fwd_block_m,
+            self.dq_block_m,
+            self.dkdv_block_n,
+            self.dkdv_block_m,
+            self.num_warps,
+            self.num_stages,
+            int(self.autotune),
+        ]
+
+    @staticmethod
+    def from_list(values: list[int]) -> "KernelConfig":
+        *ints, autotune = values
+        return KernelConfig(*ints, autotune=bool(autotune))
+
+
+GPU_DEFAULT = KernelConfig()
+# Small tiles: exercise ragged blocks, sub-blocks of a schedule row and several blocks per pack on tiny
+# inputs; what the tests and the interpreter run.
+PINNED = KernelConfig(
+    sched_m=32, sched_n=16, fwd_block_m=16, dq_block_m=32, dkdv_block_n=32, dkdv_block_m=16,
+    num_warps=4, num_stages=1, autotune=False,
+)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_step(
+    q, m_i, l_i, acc, k_ptrs, v_ptrs, offs_m, offs_n, kv_ptr_mask, se_ptrs, scale_log2,
+    MASK_TREE: tl.constexpr, MASK_BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One key block of the online softmax. offs_n are key positions in the key tensor's own frame."""
+    if MASK_BOUNDS:
+        k = tl.load(k_ptrs, mask=kv_ptr_mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=kv_ptr_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if MASK_TREE:
+        se = tl.load(se_ptrs, mask=kv_ptr_mask, other=0)
+        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
+        s = tl.where(visible, s, float("-inf"))
+    elif MASK_BOUNDS:
+        s = tl.where(kv_ptr_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row may have seen nothing yet (m = -inf): subtract 0 instead so that exp2 gives 0, not NaN.
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, PK, PV, O, LSE, SE, KV_LIST, KV_FULL, KV_COUNT, Q_ORDER,
+    scale_log2, T, P, T_BUCKET,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ph, stride_ot, stride_oh, stride_list,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCHED_M: tl.constexpr, HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
+):
+    h = tl.program_id(0)
+    SUB: tl.constexpr = SCHED_M // BLOCK_M
+    pid = tl.program_id(1)
+    row = tl.load(Q_ORDER + pid // SUB)
+    q0 = row * SCHED_M + (pid % SUB) * BLOCK_M
+    hk = h // GROUP
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m < T
+    q = tl.load(Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    if HAS_PREFIX:
+        for p0 in range(0, P, BLOCK_N):
+            kv = p0 + offs_n
+            k_ptrs = PK + kv[:, None] * stride_pt + hk * stride_ph + offs_d[None, :]
+            v_ptrs = PV + kv[:, None] * stride_pt + hk * stride_ph + offs_d[None, :]
+            m_i, l_i, acc = _fwd_step(
+                q, m_i, l_i, acc, k_ptrs, v_ptrs, offs_m, kv, kv < P, SE, scale_log2,
+                MASK_TREE=False, MASK_BOUNDS=True, PRECISION=PRECISION,
+            )
+
+    n_full = tl.load(KV_FULL + row)
+    n_all = tl.load(KV_COUNT + row)
+    list_ptr = KV_LIST + row * stride_list
+    for i in range(0, n_full):
+        kv = tl.load(list_ptr + i) * BLOCK_N + offs_n
+        k_ptrs = K + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+        v_ptrs = V + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+        m_i, l_i, acc = _fwd_step(
+            q, m_i, l_i, acc, k_ptrs, v_ptrs, offs_m, kv, kv < T, SE + kv, scale_log2,
+            MASK_TREE=False, MASK_BOUNDS=False, PRECISION=PRECISION,
+        )
+    for i in range(n_full, n_all):
+        kv = tl.load(list_ptr + i) * BLOCK_N + offs_n
+        k_ptrs = K + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+        v_ptrs = V + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+        m_i, l_i, acc = _fwd_step(
+            q, m_i, l_i, acc, k_ptrs, v_ptrs, offs_m, kv, kv < T, SE + kv, scale_log2,
+            MASK_TREE=True, MASK_BOUNDS=True, PRECISION=PRECISION,
+        )
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(
+        O + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
+    tl.store(LSE + h * T + offs_m, m_i + tl.math.log2(l_safe), mask=row_mask)
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    h = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m < T
+    o = tl.load(O + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    do = tl.load(DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + h * T + offs_m, delta, mask=row_mask)
+
+
+@triton.jit
+def _dkdv_steps(
+    dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, qb_lo, qb_hi, T, scale_log2,
+    stride_qt, stride_qh, stride_dot, stride_doh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK_TREE: tl.constexpr, MASK_ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV of one key block over query blocks [qb_lo, qb_hi) of head h (transposed tiles)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for qb in range(qb_lo, qb_hi):
+        offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_ptrs = Q + offs_m[None, :] * stride_qt + h * stride_qh + offs_d[:, None]
+        do_ptrs = DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :]
+        if MASK_ROWS:
+            row_mask = offs_m < T
+            qT = tl.load(q_ptrs, mask=row_mask[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=row_mask[:, None], other=0.0)
+            lse = tl.load(LSE + h * T + offs_m, mask=row_mask, other=0.0)
+            delta = tl.load(DELTA + h * T + offs_m, mask=row_mask, other=0.0)
+        else:
+            qT = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(LSE + h * T + offs_m)
+            delta = tl.load(DELTA + h * T + offs_m)
+        sT = tl.dot(k, qT, input_precision=PRECISION) * scale_log2
+        pT = tl.math.exp2(sT - lse[None, :])
+        if MASK_TREE:
+            visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_m[None, :] < se[:, None])
+            pT = tl.where(visible, pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, SE,
+    scale, scale_log2, T, N_KEYS, T_BUCKET,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_dot, stride_doh, stride_dkt, stride_dkh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    IS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dK, dV of one (kv head, key block). Tree mode: keys of the pack; prefix mode: N_KEYS = P keys seen
+    by all T queries. T_BUCKET (unused) is the autotuning key of T."""
+    hk = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_N1
+    offs_n = k0 + tl.arange(0, BLOCK_N1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_mask = offs_n < N_KEYS
+    kv_offs = offs_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+    k = tl.load(K + kv_offs, mask=key_mask[:, None], other=0.0)
+    v = tl.load(V + kv_offs, mask=key_mask[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
+    n_qb = tl.cdiv(T, BLOCK_M1)
+    if IS_PREFIX:
+        # Every query sees every prefix key: full blocks, a bounds test on rows of the last one only. A
+        # ragged prefix block holds zero keys past P, whose dK/dV rows are never stored.
+        se = offs_n
+        full_hi = T // BLOCK_M1
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            dk, dv = _dkdv_steps(
+                dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, 0, full_hi, T, scale_log2,
+                stride_qt, stride_qh, stride_dot, stride_doh,
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=False, MASK_ROWS=False, PRECISION=PRECISION,
+            )
+            dk, dv = _dkdv_steps(
+                dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, full_hi, n_qb, T, scale_log2,
+                stride_qt, stride_qh, stride_dot, stride_doh,
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=False, MASK_ROWS=True, PRECISION=PRECISION,
+            )
+    else:
+        se = tl.load(SE + offs_n, mask=key_mask, other=0)
+        se_max = tl.max(se, 0)
+        se_min = tl.min(se, 0)  # 0 in a ragged last block: no full query block there
+        qb_lo = k0 // BLOCK_M1
+        qb_hi = tl.cdiv(se_max, BLOCK_M1)
+        full_lo = tl.minimum(tl.cdiv(k0 + BLOCK_N1 - 1, BLOCK_M1), qb_hi)
+        full_hi = tl.maximum(se_min // BLOCK_M1, full_lo)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            dk, dv = _dkdv_steps(
+                dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, qb_lo, full_lo, T, scale_log2,
+                stride_qt, stride_qh, stride_dot, stride_doh,
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=True, MASK_ROWS=True, PRECISION=PRECISION,
+            )
+            dk, dv = _dkdv_steps(
+                dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, full_lo, full_hi, T, scale_log2,
+                stride_qt, stride_qh, stride_dot, stride_doh,
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=False, MASK_ROWS=False, PRECISION=PRECISION,
+            )
+            dk, dv = _dkdv_steps(
+                dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, full_hi, qb_hi, T, scale_log2,
+                stride_qt, stride_qh, stride_dot, stride_doh,
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=True, MASK_ROWS=True, PRECISION=PRECISION,
+            )
+    out_offs = offs_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :]
+    tl.store(DK + out_offs, (dk * scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
+    tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=key_mask[:, None])
+
+
+@triton.jit
+def _dq_step(
+    dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_m, offs_n, kv_ptr_mask, se_ptrs, scale_log2,
+    MASK_TREE: tl.constexpr, MASK_BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    if MASK_BOUNDS:
+        k = tl.load(k_ptrs, mask=kv_ptr_mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=kv_ptr_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    p = tl.math.exp2(s - lse[:, None])
+    if MASK_TREE:
+        se = tl.load(se_ptrs, mask=kv_ptr_mask, other=0)
+        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
+        p = tl.where(visible, p, 0.0)
+    elif MASK_BOUNDS:
+        p = tl.where(kv_ptr_mask[None, :], p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, PK, PV, DO, LSE, DELTA, DQ, SE, KV_LIST, KV_FULL, KV_COUNT, Q_ORDER,
+    scale, scale_log2, T, P, T_BUCKET,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ph, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_list,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCHED_M: tl.constexpr, HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
+):
+    h = tl.program_id(0)
+    SUB: tl.constexpr = SCHED_M // BLOCK_M
+    pid = tl.program_id(1)
+    row = tl.load(Q_ORDER + pid // SUB)
+    q0 = row * SCHED_M + (pid % SUB) * BLOCK_M
+    hk = h // GROUP
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m < T
+    q = tl.load(Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    do = tl.load(DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    lse = tl.load(LSE + h * T + offs_m, mask=row_mask, other=0.0)
+    delta = tl.load(DELTA + h * T + offs_m, mask=row_mask, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    if HAS_PREFIX:
+        for p0 in range(0, P, BLOCK_N):
+            kv = p0 + offs_n
+            k_ptrs = PK + kv[:, None] * stride_pt + hk * stride_ph + offs_d[None, :]
+            v_ptrs = PV + kv[:, None] * stride_pt + hk * stride_ph + offs_d[None, :]
+            dq = _dq_step(
+                dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_m, kv, kv < P, SE, scale_log2,
+                MASK_TREE=False, MASK_BOUNDS=True, PRECISION=PRECISION,
+            )
+
+    n_full = tl.load(KV_FULL + row)
+    n_all = tl.load(KV_COUNT + row)
+    list_ptr = KV_LIST + row * stride_list
+    for i in range(0, n_full):
+        kv = tl.load(list_ptr + i) * BLOCK_N + offs_n
+        k_ptrs = K + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+        v_ptrs = V + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+        dq = _dq_step(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_m, kv, kv < T, SE + kv, scale_log2,
+            MASK_TREE=False, MASK_BOUNDS=False, PRECISION=PRECISION,
+        )
+    for i in range(n_full, n_all):
+        kv = tl.load(list_ptr + i) * BLOCK_N + offs_n
+        k_ptrs = K + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+        v_ptrs = V + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+        dq = _dq_step(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_m, kv, kv < T, SE + kv, scale_log2,
+            MASK_TREE=True, MASK_BOUNDS=True, PRECISION=PRECISION,
+        )
+    tl.store(
+        DQ + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Autotuning (GPU only; the interpreter and tests run PINNED)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _fwd_configs():
+    return [
+        triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s)
+        for bm, w, s in [(128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 4, 3), (64, 4, 4)]
+    ]
+
+
+def _dq_configs():
+    return [
+        triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s)
+        for bm, w, s in [(128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 8, 2)]
+    ]
+
+
+def _dkdv_configs():
+    return [
+        triton.Config({"BLOCK_N1": bn, "BLOCK_M1": bm}, num_warps=w, num_stages=s)
+        for bn, bm, w, s in [(128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)]
+    ]
+
+
+_AUTOTUNED: dict[str, object] = {}
+
+
+def _prune_block_m(configs, named_args, **kwargs):
+    """Forward / dQ query blocks must divide the schedule row (SCHED_M)."""
+    sched_m = kwargs.get("SCHED_M", named_args.get("SCHED_M", 128))
+    kept = [c for c in configs if sched_m % c.kwargs["BLOCK_M"] == 0]
+    return kept or [triton.Config({"BLOCK_M": sched_m}, num_warps=4, num_stages=2)]
+
+
+def _autotuned(name: str):
+    """Autotuned wrappers, built on first use (autotuning benchmarks on the GPU)."""
+    if name not in _AUTOTUNED:
+        key = ["HEAD_DIM", "GROUP", "T_BUCKET", "PRECISION"]
+        if name == "fwd":
+            prune = {"early_config_prune": _prune_block_m}
+            fn = triton.autotune(_fwd_configs(), key=key, prune_configs_by=prune)(_fwd_kernel)
+        elif name == "dq":
+            prune = {"early_config_prune": _prune_block_m}
+            fn = triton.autotune(_dq_configs(), key=key, prune_configs_by=prune)(_bwd_dq_kernel)
+        else:
+            fn = triton.autotune(_dkdv_configs(), key=key + ["IS_PREFIX"])(_bwd_dkdv_kernel)
+        _AUTOTUNED[name] = fn
+    return _AUTOTUNED[name]
+
+
+def _t_bucket(T: int) -> int:
+    return 1 << max(T - 1, 1).bit_length()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_index_range(T: int, H: int, D: int) -> None:
+    if (T + 1) * H * D >= 2**31:
+        raise ValueError(f"the triton backend indexes with int32: T*Hq*D must be < 2^31, got T={T}, Hq={H}, D={D}")
+
+
+def _launch_fwd(
+    q_THD, k_TKD, v_TKD, pk_PKD, pv_PKD, subtree_end_T, kv_list_MN, kv_full_M, kv_count_M, q_order_M,
+    scale: float, cfg: KernelConfig,
+):
+    T, H, D = q_THD.shape
+    K = k_TKD.shape[1]
+    P = 0 if pk_PKD is None else pk_PKD.shape[0]
+    o_THD = torch.empty_like(q_THD)
+    lse_HT = torch.empty(H, T, device=q_THD.device, dtype=torch.float32)
+    pk, pv = (pk_PKD, pv_PKD) if P else (k_TKD, v_TKD)
+    args = (
+        q_THD, k_TKD, v_TKD, pk, pv, o_THD, lse_HT, subtree_end_T, kv_list_MN, kv_full_M, kv_count_M, q_order_M,
+        scale * LOG2E, T, P, _t_bucket(T),
+        q_THD.stride(0), q_THD.stride(1), k_TKD.stride(0), k_TKD.stride(1), pk.stride(0), pk.stride(1),
+        o_THD.stride(0), o_THD.stride(1), kv_list_MN.stride(0),
+    )
+    const = dict(
+        GROUP=H // K, HEAD_DIM=D, BLOCK_N=cfg.sched_n, SCHED_M=cfg.sched_m, HAS_PREFIX=P > 0,
+        PRECISION=_precision(q_THD.dtype),
+    )
+    M = triton.cdiv(T, cfg.sched_m)  # programs cover whole schedule rows (launched in q_order)
+    if cfg.autotune and not _interpreting():
+        grid = lambda meta: (H, M * (cfg.sched_m // meta["BLOCK_M"]))  # noqa: E731
+        _autotuned("fwd")[grid](*args, **const)
+    else:
+        grid = (H, M * (cfg.sched_m // cfg.fwd_block_m))
+        _fwd_kernel[grid](*args, **const, BLOCK_M=cfg.fwd_block_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o_THD, lse_HT
+
+
+def _launch_bwd(
+    do_THD, q_THD, k_TKD, v_TKD, pk_PKD, pv_PKD, o_THD, lse_HT, subtree_end_T, kv_list_MN, kv_full_M,
+    kv_count_M, q_order_M, scale: float, cfg: KernelConfig,
+):
+    T, H, D = q_THD.shape
+    K = k_TKD.shape[1]
+    P = 0 if pk_PKD is None else pk_PKD.shape[0]
+    dev = q_THD.device
+    precision = _precision(q_THD.dtype)
+    tuned = cfg.autotune and not _interpreting()
+
+    delta_HT = torch.empty(H, T, device=dev, dtype=torch.float32)
+    delta_block = 64
+    _bwd_delta_kernel[(H, triton.cdiv(T, delta_block))](
+        o_THD, do_THD, delta_HT, T, o_THD.stride(0), o_THD.stride(1), do_THD.stride(0), do_THD.stride(1),
+        HEAD_DIM=D, BLOCK_M=delta_block,
+    )
+
+    dk_TKD = torch.empty_like(k_TKD)
+    dv_TKD = torch.empty_like(v_TKD)
+    dpk_PKD = torch.empty_like(pk_PKD) if P else k_TKD.new_empty(0, K, D)
+    dpv_PKD = torch.empty_like(pv_PKD) if P else v_TKD.new_empty(0, K, D)
+    for is_prefix, keys, values, dkeys, dvalues, n_keys in (
+        (False, k_TKD, v_TKD, dk_TKD, dv_TKD, T),
+        (True, pk_PKD, pv_PKD, dpk_PKD, dpv_PKD, P),
+    ):
+        if n_keys == 0:
+            continue
+        args = (
+            q_THD, keys, values, do_THD, lse_HT, delta_HT, dkeys, dvalues, subtree_end_T,
+            scale, scale * LOG2E, T, n_keys, _t_bucket(T),
+            q_THD.stride(0), q_THD.stride(1), keys.stride(0), keys.stride(1), do_THD.stride(0), do_THD.stride(1),
+            dkeys.stride(0), dkeys.stride(1),
+        )
+        const = dict(GROUP=H // K, HEAD_DIM=D, IS_PREFIX=is_prefix, PRECISION=precision)
+        if tuned:
+            grid = lambda meta: (K, triton.cdiv(n_keys, meta["BLOCK_N1"]))  # noqa: E731
+            _autotuned("dkdv")[grid](*args, **const)
+        else:
+            grid = (K, triton.cdiv(n_keys, cfg.dkdv_block_n))
+            _bwd_dkdv_kernel[grid](
+                *args, **const, BLOCK_N1=cfg.dkdv_block_n, BLOCK_M1=cfg.dkdv_block_m,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+
+    dq_THD = torch.empty_like(q_THD)
+    pk, pv = (pk_PKD, pv_PKD) if P else (k_TKD, v_TKD)
+    args = (
+        q_THD, k_TKD, v_TKD, pk, pv, do_THD, lse_HT, delta_HT, dq_THD, subtree_end_T,
+        kv_list_MN, kv_full_M, kv_count_M, q_order_M,
+        scale, scale * LOG2E, T, P, _t_bucket(T),
+        q_THD.stride(0), q_THD.stride(1), k_TKD.stride(0), k_TKD.stride(1), pk.stride(0), pk.stride(1),
+        do_THD.stride(0), do_THD.stride(1), dq_THD.stride(0), dq_THD.stride(1), kv_list_MN.stride(0),
+    )
+    const = dict(
+        GROUP=H // K, HEAD_DIM=D, BLOCK_N=cfg.sched_n, SCHED_M=cfg.sched_m, HAS_PREFIX=P > 0, PRECISION=precision,
+    )
+    M = triton.cdiv(T, cfg.sched_m)
+    if tuned:
+        grid = lambda meta: (H, M * (cfg.sched_m // meta["BLOCK_M"]))  # noqa: E731
+        _autotuned("dq")[grid](*args, **const)
+    else:
+        grid = (H, M * (cfg.sched_m // cfg.dq_block_m))
+        _bwd_dq_kernel[grid](*args, **const, BLOCK_M=cfg.dq_block_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dq_THD, dk_TKD, dv_TKD, dpk_PKD, dpv_PKD
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch.library ops + autograd
+# ----------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("treepack::tree_attention_fwd", mutates_args=())
+def tree_attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    prefix_k: Optional[Tensor],
+    prefix_v: Optional[Tensor],
+    subtree_end: Tensor,
+    kv_list: Tensor,
+    kv_full: Tensor,
+    kv_count: Tensor,
+    q_order: Tensor,
+    scale: float,
+    config: list[int],
+) -> tuple[Tensor, Tensor]:
+    """Forward: returns (out [T, Hq, D], lse [Hq, T] float32, base 2)."""
+    cfg = KernelConfig.from_list(config)
+    return _launch_fwd(q, k, v, prefix_k, prefix_v, subtree_end, kv_list, kv_full, kv_count, q_order, scale, cfg)
+
+
+@tree_attention_fwd.register_fake
+def _(q, k, v, prefix_k, prefix_v, subtree_end, kv_list, kv_full, kv_count, q_order, scale, config):
+    T, H, _ = q.shape
+    return torch.empty_like(q), q.new_empty(H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("treepack::tree_attention_bwd", mutates_args=())
+def tree_attention_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    prefix_k: Optional[Tensor],
+    prefix_v: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    subtree_end: Tensor,
+    kv_list: Tensor,
+    kv_full: Tensor,
+    kv_count: Tensor,
+    q_order: Tensor,
+    scale: float,
+    config: list[int],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward: returns (dq, dk, dv, dprefix_k, dprefix_v); the prefix grads are [0, Hkv, D] without one."""
+    cfg = KernelConfig.from_list(config)
+    return _launch_bwd(
+        grad_out.contiguous(), q, k, v, prefix_k, prefix_v, out, lse, subtree_end, kv_list, kv_full, kv_count,
+        q_order, scale, cfg,
+    )
+
+
+@tree_attention_bwd.register_fake
+def _(grad_out, q, k, v, prefix_k, prefix_v, out, lse, subtree_end, kv_list, kv_full, kv_count, q_order, scale, config):
+    K, D = k.shape[1], k.shape[2]
+    dpk = torch.empty_like(prefix_k) if prefix_k is not None else k.new_empty(0, K, D)
+    dpv = torch.empty_like(prefix_v) if prefix_v is not None else v.new_empty(0, K, D)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dpk, dpv
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, prefix_k, prefix_v, subtree_end, kv_list, kv_full, kv_count, q_order, scale, config = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse, subtree_end, kv_list, kv_full, kv_count, q_order)
+    ctx.scale = scale
+    ctx.config = config
+    ctx.has_prefix = prefix_k is not None
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, prefix_k, prefix_v, out, lse, subtree_end, kv_list, kv_full, kv_count, q_order = ctx.saved_tensors
+    dq, dk, dv, dpk, dpv = tree_attention_bwd(
+        grad_out, q, k, v, prefix_k, prefix_v, out, lse, subtree_end, kv_list, kv_full, kv_count, q_order,
+        ctx.scale, ctx.config,
+    )
+    if not ctx.has_prefix:
+        dpk = dpv = None
+    return dq, dk, dv, dpk, dpv, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("treepack::tree_attention_fwd", _backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------------
+
+
+def schedule_for(subtree_end: Tensor | TreeMaskInfo, cfg: KernelConfig = GPU_DEFAULT) -> TreeMaskInfo:
+    """The TreeMaskInfo matching ``cfg``'s schedule blocks: the given one, one cached on it, or a new one."""
+    if isinstance(subtree_end, TreeMaskInfo):
+        info = subtree_end
+        if (info.block_m, info.block_n) == (cfg.sched_m, cfg.sched_n):
+            return info
+        key = ("schedule", cfg.sched_m, cfg.sched_n)
+        if key not in info.cache:
+            info.cache[key] = prepare(info.subtree_end_T, block_m=cfg.sched_m, block_n=cfg.sched_n, validate=False)
+        return info.cache[key]
+    return prepare(subtree_end, block_m=cfg.sched_m, block_n=cfg.sched_n)
+
+
+def tree_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    subtree_end: Tensor | TreeMaskInfo,
+    *,
+    prefix_k: Tensor | None = None,
+    prefix_v: Tensor | None = None,
+    scale: float | None = None,
+    config: KernelConfig | None = None,
+) -> Tensor:
+    """Triton backend of `tree_attention` (inputs validated by the api). ``config`` defaults to the
+    autotuned GPU configuration, or `PINNED` under the Triton interpreter."""
+    T, H, D = q.shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if config is None:
+        config = PINNED if _interpreting() else GPU_DEFAULT
+    if T == 0:
+        return q.new_empty(0, H, D)
+    _check_index_range(T, H, D)
+    info = schedule_for(subtree_end, config)
+    if prefix_k is not None and prefix_k.shape[0] == 0:
+        prefix_k = prefix_v = None
+    if prefix_k is not None:
+        prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
+    out, _ = tree_attention_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), prefix_k, prefix_v,
+        info.subtree_end_T, info.kv_list_MN, info.kv_full_M, info.kv_count_M, info.q_order_M,
+        float(scale), config.as_list(),
+    )
+    return out
+
+
+def with_config(config: KernelConfig, **changes) -> KernelConfig:
+    """A copy of ``config`` with fields changed (validated)."""
+    return replace(config, **changes)

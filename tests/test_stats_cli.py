@@ -1,0 +1,109 @@
+"""``treepack stats``: exact JSON keys, the gate's exit codes and messages, and input errors."""
+
+import json
+
+import pytest
+
+from cli_helpers import run
+
+REQUIRED = ("n_sequences", "n_flat_tokens", "n_tree_tokens", "compression", "por", "c_leaf", "c_attn",
+            "n_nodes", "n_leaves", "max_depth")
+
+
+@pytest.fixture
+def small(tmp_path):
+    path = tmp_path / "small.jsonl"
+    recs = [
+        {"id": "a", "tree_id": "t1", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]},
+        {"id": "b", "tree_id": "t1", "input_ids": [1, 2, 3, 5], "loss_mask": [0, 0, 1, 1]},
+        {"id": "c", "tree_id": "t2", "input_ids": [1, 2, 9], "loss_mask": [0, 1, 1]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_json_has_the_contract_keys(small):
+    r = run("stats", small, "--json")
+    assert r.code == 0, r.err
+    d = json.loads(r.out)
+    for k in REQUIRED:
+        assert k in d and isinstance(d[k], (int, float)) and not isinstance(d[k], bool), k
+    assert (d["n_sequences"], d["n_flat_tokens"], d["n_tree_tokens"], d["n_leaves"], d["max_depth"]) == (3, 11, 6, 3, 4)
+    assert d["compression"] == 11 / 6 and d["por"] == pytest.approx(5 / 11)
+    assert d["gate"] == {"passed": True, "failures": []}
+
+
+def test_group_by_tree_id(small):
+    d = json.loads(run("stats", small, "--json", "--group-by", "tree_id").out)
+    assert d["n_tree_tokens"] == 8 and d["n_scopes"] == 2
+    assert [g["group"] for g in d["groups"]] == ["t1", "t2"]
+
+
+def test_gate_fails_naming_every_threshold(small):
+    r = run("stats", small, "--min-compression", "2", "--min-por", "0.5", "--max-seq-len", "3")
+    assert r.code == 1
+    assert r.err.splitlines() == [
+        "gate failed: compression 1.8333 < --min-compression 2",
+        "gate failed: por 0.4545 < --min-por 0.5",
+        "gate failed: max sequence length 4 > --max-seq-len 3",
+    ]
+
+
+def test_gate_passes(small):
+    r = run("stats", small, "--min-compression", "1.5", "--min-por", "0.4", "--max-seq-len", "4")
+    assert r.code == 0
+    assert r.out.rstrip().endswith("gate passed")
+    assert "POR" in r.out and "0.4545" in r.out
+
+
+def test_gate_in_json_mode(small):
+    r = run("stats", small, "--json", "--min-por", "0.9")
+    assert r.code == 1
+    assert json.loads(r.out)["gate"] == {"passed": False, "failures": ["por 0.4545 < --min-por 0.9"]}
+
+
+def test_bad_input_is_one_line_and_exit_1(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2]}\n{"input_ids": [3, -4]}\n')
+    r = run("stats", bad)
+    assert r.code == 1
+    assert r.err == f"Error: {bad}: line 2: field 'input_ids'[1] is negative (-4)\n"
+    assert r.out == ""
+
+
+def test_on_error_skip_reports_counts(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2]}\n{"input_ids": [3, -4]}\nnot json\n')
+    r = run("stats", bad, "--on-error", "skip", "--json")
+    assert r.code == 0
+    d = json.loads(r.out)
+    assert d["n_sequences"] == 1 and d["n_skipped"] == 2
+    assert d["skipped"] == {"negative token": 1, "malformed JSON": 1}
+    assert r.err.splitlines()[0] == "skipped 2 bad record(s): 1 negative token, 1 malformed JSON"
+
+
+def test_all_records_bad(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": []}\n')
+    r = run("stats", bad, "--on-error", "skip")
+    assert r.code == 1
+    assert r.err == "Error: no sequences to analyse: 1 bad record(s) skipped (1 empty sequence)\n"
+
+
+def test_missing_file_and_usage_errors(tmp_path):
+    r = run("stats", tmp_path / "nope.jsonl")
+    assert (r.code, r.err) == (1, f"Error: {tmp_path / 'nope.jsonl'}: no such file\n")
+    assert run("stats", tmp_path / "nope.jsonl", "--on-error", "ignore").code == 2
+    assert run("stats", tmp_path / "nope.jsonl", "--model", "gpt-9").code == 2
+
+
+def test_group_by_without_groups(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"input_ids": [1]}\n')
+    r = run("stats", p, "--group-by", "tree_id")
+    assert (r.code, r.err) == (1, "Error: --group-by tree_id: the input has no 'tree_id' or 'group_id' field\n")
+
+
+def test_stdin(small):
+    r = run("stats", "-", "--json", input=small.read_text())
+    assert r.code == 0 and json.loads(r.out)["n_sequences"] == 3

@@ -1,0 +1,337 @@
+"""Training configuration: a TOML file mapped one to one onto nested dataclasses.
+
+``[model]``, ``[data]``, ``[train]`` (with ``[train.loss]``) and ``[output]`` are the dataclasses below;
+every field carries a comment and every constraint is checked in ``__post_init__`` with a message that
+names the key. Unknown keys are errors that name the nearest valid key (difflib), so a typo never
+silently trains with a default: ``config.toml: unknown key 'train.lrr' (did you mean 'train.lr'?)``.
+Relative paths in the file resolve against the file's directory, so a config runs from anywhere.
+
+`EXAMPLE_CONFIG` is the commented template printed by ``treepack train --example-config``; a test
+checks that it parses and that its values are the defaults.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+from treepack.errors import ConfigError, TreepackError
+from treepack.sizes import parse_size
+
+MODES = ("tree", "dense")
+ATTENTION = ("auto", "reference", "flex", "triton", "sdpa")
+DTYPES = ("auto", "float32", "bfloat16", "float64")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULES = ("constant", "cosine")
+
+
+def _positive(key: str, value, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{key} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+def _one_of(key: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    checkpoint: str = ""  # local Hugging Face checkpoint dir (config.json + *.safetensors); "" = random init
+    family: str = "qwen3"  # random init: qwen3 (q/k norm) | qwen2 (qkv bias) | llama
+    vocab_size: int = 0  # random init: embedding rows; 0 = max token id of the data + 1
+    hidden_size: int = 64  # random init: model width
+    intermediate_size: int = 176  # random init: SwiGLU width
+    num_layers: int = 2  # random init: decoder layers
+    num_heads: int = 4  # random init: query heads
+    num_kv_heads: int = 2  # random init: key/value heads (GQA)
+    head_dim: int = 16  # random init: per-head width
+    rope_theta: float = 1_000_000.0  # random init: RoPE base
+    tie_embeddings: bool = False  # random init: output head shares the embedding matrix
+    init_std: float = 0.02  # random init: std of the normal weight init
+
+    def __post_init__(self) -> None:
+        _one_of("model.family", self.family, ("qwen3", "qwen2", "llama"))
+        _positive("model.vocab_size", self.vocab_size, zero_ok=True)
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            _positive(f"model.{name}", getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model.num_heads ({self.num_heads}) must be a multiple of "
+                              f"model.num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        _positive("model.rope_theta", self.rope_theta)
+        _positive("model.init_std", self.init_std)
+
+
+@dataclass
+class DataConfig:
+    shards: str = ""  # directory of packed shards (`treepack pack ... -o DIR`)
+    rollouts: list[str] = field(default_factory=list)  # or rollout files (.jsonl[.gz], .parquet), packed here
+    capacity: str = "16k"  # pack capacity in tree tokens when packing rollouts (60k, 64K, 65536)
+    packs_per_step: int = 1  # packs per optimizer step: one global batch, gradients accumulated
+    shuffle: bool = True  # visit packs in a seeded random order each epoch (else file order)
+
+    def __post_init__(self) -> None:
+        if bool(self.shards) == bool(self.rollouts):
+            raise ConfigError("data: set exactly one of data.shards (a packed directory) or data.rollouts (files)")
+        try:
+            parse_size(self.capacity, what="data.capacity")
+        except TreepackError as exc:
+            raise ConfigError(str(exc)) from None
+        _positive("data.packs_per_step", self.packs_per_step)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return parse_size(self.capacity, what="data.capacity")
+
+
+@dataclass
+class LossConfig:
+    kind: str = "sft"  # sft (NLL on loss_mask tokens) | grpo (PPO-clip with per-sequence advantages)
+    normalization: str = "token"  # token: mean over the batch's loss tokens | sequence: mean of per-sequence means
+    clip_low: float = 0.2  # grpo: ratio clipped below at 1 - clip_low
+    clip_high: float = 0.2  # grpo: ratio clipped above at 1 + clip_high (DAPO clip-higher: 0.28)
+    kl_coef: float = 0.0  # grpo: weight of a k3 KL to the behaviour log-probs (0 = off)
+
+    def __post_init__(self) -> None:
+        _one_of("train.loss.kind", self.kind, ("sft", "grpo"))
+        _one_of("train.loss.normalization", self.normalization, ("token", "sequence"))
+        if not 0 <= self.clip_low < 1:
+            raise ConfigError(f"train.loss.clip_low must be in [0, 1), got {self.clip_low}")
+        _positive("train.loss.clip_high", self.clip_high, zero_ok=True)
+        _positive("train.loss.kl_coef", self.kl_coef, zero_ok=True)
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "tree"  # tree (tree attention over each pack) | dense (every sequence separately: the baseline)
+    attention: str = "auto"  # tree kernel: auto | reference | flex | triton; dense: sdpa unless a kernel is named
+    steps: int = 100  # optimizer steps (global batches)
+    lr: float = 3e-4  # peak AdamW learning rate
+    schedule: str = "constant"  # constant | cosine (decays to min_lr_ratio * lr at the last step)
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over these steps
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    grad_clip: float = 1.0  # max global gradient norm (0 = no clipping)
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 (autocast) | float64
+    device: str = "auto"  # auto (cuda when present) | cpu | cuda
+    seed: int = 0  # model init and pack order
+    logits_chunk: int = 4096  # rows of full-vocabulary logits alive at a time in the loss
+    activation_checkpointing: bool = False  # recompute each layer in backward (less memory, ~1.3x compute)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        _one_of("train.mode", self.mode, MODES)
+        _one_of("train.attention", self.attention, ATTENTION)
+        if self.mode == "tree" and self.attention == "sdpa":
+            raise ConfigError("train.attention = 'sdpa' runs independent causal sequences; "
+                              "train.mode = 'tree' needs auto, reference, flex or triton")
+        _positive("train.steps", self.steps)
+        _positive("train.lr", self.lr)
+        _one_of("train.schedule", self.schedule, SCHEDULES)
+        _positive("train.warmup_steps", self.warmup_steps, zero_ok=True)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _positive("train.weight_decay", self.weight_decay, zero_ok=True)
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        _positive("train.grad_clip", self.grad_clip, zero_ok=True)
+        _one_of("train.dtype", self.dtype, DTYPES)
+        _one_of("train.device", self.device, DEVICES)
+        _positive("train.logits_chunk", self.logits_chunk)
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/train"  # run directory: checkpoint/, metrics.jsonl
+    save_every: int = 0  # save a checkpoint every N steps (0 = only at the end)
+    resume: bool = True  # continue from dir/checkpoint when it exists
+    metrics: str = "metrics.jsonl"  # per-step metrics (JSON lines) inside dir; "" = none
+    log_every: int = 1  # print the step line every N steps
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ConfigError("output.dir must not be empty")
+        _positive("output.save_every", self.save_every, zero_ok=True)
+        _positive("output.log_every", self.log_every)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(shards="packs"))
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+# --------------------------------------------------------------------------------------------------
+# TOML -> dataclasses
+
+
+def _type_name(tp) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _coerce(key: str, value, tp):
+    """Check one TOML value against the annotated type (ints are fine where floats are expected)."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {_type_name(item)}s, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif tp is str:
+        ok = isinstance(value, str)
+        if key == "data.capacity" and isinstance(value, int) and not isinstance(value, bool):
+            ok, value = True, str(value)  # capacity = 65536 as well as "64K"
+    else:  # pragma: no cover - every field type is listed above
+        raise TypeError(tp)
+    if not ok:
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _all_keys(cls, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        key = prefix + f.name
+        out.append(key)
+        if is_dataclass(hints[f.name]):
+            out.extend(_all_keys(hints[f.name], key + "."))
+    return out
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    for key in data:
+        if key not in names:
+            full = prefix + key
+            here = [prefix + n for n in names]
+            guess = difflib.get_close_matches(full, here, n=1, cutoff=0.6) or difflib.get_close_matches(
+                full, _all_keys(RunConfig), n=1, cutoff=0.6
+            )
+            hint = f" (did you mean '{guess[0]}'?)" if guess else f" (valid keys: {', '.join(sorted(here))})"
+            raise ConfigError(f"unknown key '{full}'{hint}")
+    kwargs = {}
+    for name, value in data.items():
+        tp, key = hints[name], prefix + name
+        if is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} must be a table ([{key}]), got {value!r}")
+            kwargs[name] = _build(tp, value, key + ".")
+        else:
+            kwargs[name] = _coerce(key, value, tp)
+    if cls is RunConfig and "data" not in kwargs:
+        raise ConfigError("missing [data] section (data.shards or data.rollouts)")
+    return cls(**kwargs)
+
+
+def _resolve(path: str, base: Path) -> str:
+    return path if not path or Path(path).is_absolute() else str(base / path)
+
+
+def parse_config(text: str, *, source: str = "config.toml", base_dir: str | Path | None = None) -> RunConfig:
+    """A `RunConfig` from TOML text; errors read ``<source>: <message>``. Paths resolve against base_dir."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML ({exc})") from None
+    try:
+        cfg = _build(RunConfig, data)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    if base_dir is not None:
+        base = Path(base_dir)
+        cfg.model.checkpoint = _resolve(cfg.model.checkpoint, base)
+        cfg.data.shards = _resolve(cfg.data.shards, base)
+        cfg.data.rollouts = [_resolve(p, base) for p in cfg.data.rollouts]
+        cfg.output.dir = _resolve(cfg.output.dir, base)
+    return cfg
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a TOML config file (relative paths inside resolve against its directory)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read ({exc})") from None
+    return parse_config(text, source=str(path), base_dir=p.parent)
+
+
+EXAMPLE_CONFIG = """\
+# treepack training config (treepack train config.toml). Every key is optional except a data source;
+# the values below are the defaults. Relative paths resolve against this file's directory.
+
+[model]
+checkpoint = ""             # local Hugging Face checkpoint dir (config.json + *.safetensors); "" = random init
+# Random-init architecture (ignored with a checkpoint):
+family = "qwen3"            # qwen3 (q/k norm) | qwen2 (qkv bias) | llama
+vocab_size = 0              # 0 = max token id of the data + 1
+hidden_size = 64
+intermediate_size = 176
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2            # GQA: num_heads must be a multiple
+head_dim = 16
+rope_theta = 1000000.0
+tie_embeddings = false
+init_std = 0.02
+
+[data]
+shards = "packs"            # packed shards (treepack pack ROLLOUTS -o packs) ...
+# rollouts = ["rollouts.jsonl"]   # ... or rollout files, packed on the fly (set exactly one of the two)
+capacity = "16k"            # pack capacity in tree tokens when packing rollouts
+packs_per_step = 1          # packs per optimizer step (one global batch; gradients accumulated exactly)
+shuffle = true              # seeded random pack order each epoch
+
+[train]
+mode = "tree"               # tree (tree attention) | dense (each sequence separately: the baseline)
+attention = "auto"          # auto | reference | flex | triton (dense mode also: sdpa, its default)
+steps = 100
+lr = 0.0003
+schedule = "constant"       # constant | cosine (to min_lr_ratio * lr)
+warmup_steps = 0
+min_lr_ratio = 0.1
+weight_decay = 0.0
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0             # 0 = off
+dtype = "auto"              # auto (bfloat16 autocast on CUDA, float32 on CPU) | float32 | bfloat16 | float64
+device = "auto"             # auto | cpu | cuda
+seed = 0
+logits_chunk = 4096         # rows of full-vocabulary logits alive at a time
+activation_checkpointing = false
+
+[train.loss]
+kind = "sft"                # sft | grpo (PPO-clip; advantages from the data, else group-normalised rewards)
+normalization = "token"     # token (mean over the global batch's loss tokens) | sequence (mean of sequence means)
+clip_low = 0.2
+clip_high = 0.2
+kl_coef = 0.0               # k3 KL to the behaviour log-probs; 0 = off
+
+[output]
+dir = "runs/train"          # checkpoint/ (safetensors) and metrics.jsonl go here
+save_every = 0              # steps between checkpoints; 0 = at the end only
+resume = true               # continue from dir/checkpoint when present
+metrics = "metrics.jsonl"   # "" = no metrics file
+log_every = 1
+"""

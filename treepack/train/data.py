@@ -1,0 +1,152 @@
+"""Where training and verification get their packs: packed shard directories, or rollouts packed here.
+
+Rollout files are packed on the fly with a deliberately simple, order-preserving policy (the packing
+strategies of ``treepack pack`` optimise N_pack; this one only has to be correct and predictable):
+trees (``tree_id`` groups, split by ``step`` when present) are taken in input order; a tree that fits the
+capacity joins the current pack when it still fits (trees never share tokens, so their sizes add), else
+starts a new pack; a tree larger than the capacity is cut into contiguous runs of its sequences, each the
+longest run whose union trie fits (binary search over run lengths, each probe one vectorised trie build:
+~log2(n) builds per pack). Without ``tree_id`` the whole file is one forest.
+
+A global batch is ``packs_per_step`` consecutive packs of an epoch order; the order of epoch e is a
+permutation seeded by (seed, e), so the batch of any step is a pure function of the config and the step
+number and a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from treepack.errors import CapacityError, ConfigError, InputError
+from treepack.layout import Pack, build_pack
+from treepack.rollouts import Rollouts, _ranges, read_rollouts
+from treepack.tree import PrefixTree, scope_codes
+
+
+def _trie_tokens(r: Rollouts, index: np.ndarray) -> int:
+    starts, lens = r.offsets[:-1][index], r.lengths[index]
+    offsets = np.zeros(len(index) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    return PrefixTree.from_arrays(r.tokens[_ranges(starts, lens)], offsets).n_tree_tokens
+
+
+def _split_tree(r: Rollouts, index: np.ndarray, capacity: int) -> Iterator[np.ndarray]:
+    """Contiguous runs of ``index`` whose union trie fits ``capacity`` (each run as long as possible)."""
+    i = 0
+    while i < len(index):
+        lo, hi = 1, len(index) - i  # lo always fits (a sequence <= capacity was checked)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _trie_tokens(r, index[i : i + mid]) <= capacity:
+                lo = mid
+            else:
+                hi = mid - 1
+        yield index[i : i + lo]
+        i += lo
+
+
+def pack_rollouts(r: Rollouts, capacity: int, *, max_packs: int | None = None) -> Iterator[Pack]:
+    """Packs of whole sequences, each with a union trie of at most ``capacity`` tokens (see module doc)."""
+    if len(r) == 0:
+        return
+    lengths = r.lengths
+    too_long = np.flatnonzero(lengths > capacity)
+    if too_long.size:
+        i = int(too_long[0])
+        raise CapacityError(f"sequence {r.ids[i]!r} has {int(lengths[i])} tokens, more than the capacity {capacity}")
+    scope, _ = scope_codes(r, "tree_id" if r.groups is not None else None)
+    if scope is None:
+        scope = np.zeros(len(r), dtype=np.int64)
+    # Trees in order of first appearance; sequences of a tree in input order.
+    _, first = np.unique(scope, return_index=True)
+    tree_order = scope[np.sort(first)]
+    members = {int(t): np.flatnonzero(scope == t) for t in tree_order.tolist()}
+    whole = PrefixTree.from_arrays(r.tokens, r.offsets, scope)  # one build gives every tree's size
+    tree_size = np.bincount(whole.scope, weights=whole.lengths - whole.lcp, minlength=int(scope.max()) + 1)
+    emitted = 0
+    current: list[np.ndarray] = []
+    current_size = 0
+
+    def flush() -> Pack:
+        idx = np.concatenate(current)
+        return build_pack(r, idx, scope=scope)
+
+    for t in tree_order.tolist():
+        index = members[int(t)]
+        size = int(tree_size[int(t)])
+        if size <= capacity:
+            if current and current_size + size > capacity:
+                yield flush()
+                emitted += 1
+                if max_packs is not None and emitted >= max_packs:
+                    return
+                current, current_size = [], 0
+            current.append(index)
+            current_size += size
+            continue
+        if current:
+            yield flush()
+            emitted += 1
+            current, current_size = [], 0
+            if max_packs is not None and emitted >= max_packs:
+                return
+        for run in _split_tree(r, index, capacity):
+            yield build_pack(r, run, scope=scope)
+            emitted += 1
+            if max_packs is not None and emitted >= max_packs:
+                return
+    if current:
+        yield flush()
+
+
+def load_packs(
+    sources: str | Path | list,
+    *,
+    capacity: int | None = None,
+    max_packs: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[Pack]:
+    """Packs from a packed shard directory (``manifest.json`` inside), or from rollout files packed at
+    ``capacity``. ``max_packs`` stops early (verification of a sample)."""
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
+    paths = [Path(s) for s in sources]
+    if len(paths) == 1 and paths[0].is_dir() and (paths[0] / "manifest.json").is_file():
+        try:
+            from treepack.shards import read_packs
+        except ImportError:
+            raise ConfigError(f"{paths[0]}: reading packed shards needs treepack.shards") from None
+        packs = []
+        for pack in read_packs(paths[0]):
+            packs.append(pack)
+            if max_packs is not None and len(packs) >= max_packs:
+                break
+        return packs
+    for p in paths:
+        if str(p) != "-" and not p.exists():
+            raise InputError(f"{p}: no such file or directory")
+    if capacity is None:
+        raise ConfigError("packing rollout files needs a capacity (e.g. --capacity 16k)")
+    r = read_rollouts([str(p) for p in paths], progress=progress)
+    if len(r) == 0:
+        raise InputError(f"{', '.join(map(str, paths))}: no rollout records")
+    return list(pack_rollouts(r, capacity, max_packs=max_packs))
+
+
+def epoch_order(n_packs: int, epoch: int, *, seed: int, shuffle: bool) -> np.ndarray:
+    """The pack order of one epoch (a seeded permutation, or file order)."""
+    if not shuffle:
+        return np.arange(n_packs)
+    return np.random.default_rng([seed, epoch]).permutation(n_packs)
+
+
+def batch_indices(step: int, n_packs: int, packs_per_step: int, *, seed: int, shuffle: bool) -> list[int]:
+    """Pack indices of global batch ``step`` (0-based): consecutive slots of the concatenated epoch orders."""
+    out = []
+    for slot in range(step * packs_per_step, (step + 1) * packs_per_step):
+        epoch, i = divmod(slot, n_packs)
+        out.append(int(epoch_order(n_packs, epoch, seed=seed, shuffle=shuffle)[i]))
+    return out

@@ -1,0 +1,258 @@
+"""Losses per (sequence, token), identical whether log-probs come from tree tokens or flat sequences.
+
+A loss **row** is one (sequence s, position j >= 1) with ``loss_mask = 1``: the log-prob of s's j-th token
+given its first j tokens. Every mode produces the same rows in the same order (sequence-major), so the
+loss formula is shared verbatim and the modes differ only in where a row's hidden state comes from:
+- dense: row (s, j) reads the flat concatenation of the pack's sequences at ``offset_s + j - 1``;
+- tree: row (s, j) targets pack token ``p = path_s[j]`` and reads the hidden state at ``parent[p]``.
+  Shared prefix tokens are computed once (one log-prob per pack token) and gathered into every row that
+  uses them, so autograd sums their gradients over the sequences: this *is* Tree Training's gradient
+  restoration (the scaler of §3.2.4 falls out of the gather's backward), with no explicit scale tensor.
+
+Objectives (``Objective``):
+- SFT: ``-sum_rows w_r * logp_r``.
+- GRPO / PPO-clip: ``ratio = exp(logp - behaviour_logp)`` (behaviour log-probs from the data, else the
+  detached current ones: on-policy, ratio 1), per-sequence advantage A, ``loss_r = -min(ratio * A,
+  clip(ratio, 1 - eps_low, 1 + eps_high) * A)``, plus an optional ``kl_coef`` x k3-estimator KL to the
+  reference log-probs (off by default).
+- Normalisation weights ``w_r``, fixed over the *global batch* (all packs of one optimizer step) before
+  any forward, so gradient accumulation over packs is exact: ``token`` mean (``1 / loss tokens of the
+  batch``) or ``sequence`` mean (``1 / (sequences of the batch * loss tokens of s)``).
+- Fast SFT path (tree mode, token mean): ``-sum_p loss_weight[p] * logp_p / N`` over pack tokens, with
+  ``loss_weight[p]`` = how many sequences train on p; no per-sequence arrays at all.
+
+Log-probs never materialise full-vocabulary logits for all rows: `target_logprobs` computes them in row
+chunks and recomputes each chunk's logits in backward (saving only the hidden rows and one log-sum-exp
+per row). For V = 151,936 and 4,096-row chunks the live logits are 2.5 GB in float32 instead of
+19 GB for a 32k-token pack.
+
+Legend: R loss rows, U pack tokens whose log-prob is needed, S sequences, T pack tokens, F flat tokens
+(sum of sequence lengths), D hidden size, V vocabulary, C rows of a chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from treepack.errors import ConfigError, TreepackError
+from treepack.layout import Pack
+
+LOSSES = ("sft", "grpo")
+NORMALIZATIONS = ("token", "sequence")
+DEFAULT_CHUNK_ROWS = 4096
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunked log-probs of targets
+
+
+def _mm_dtype(hidden: Tensor) -> torch.dtype:
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return hidden.dtype
+
+
+class _TargetLogProb(torch.autograd.Function):
+    """logp_R = log_softmax(hidden_RD @ weight_VD.T)[r, target_R[r]], chunked over rows, logits recomputed."""
+
+    @staticmethod
+    def forward(ctx, hidden_RD: Tensor, weight_VD: Tensor, target_R: Tensor, chunk: int) -> Tensor:
+        mm = _mm_dtype(hidden_RD)
+        acc = torch.float64 if mm == torch.float64 else torch.float32
+        h_RD, w_VD = hidden_RD.to(mm), weight_VD.to(mm)
+        R = h_RD.shape[0]
+        logp_R = torch.empty(R, dtype=acc, device=h_RD.device)
+        lse_R = torch.empty(R, dtype=acc, device=h_RD.device)
+        for r0 in range(0, R, chunk):
+            logits_CV = (h_RD[r0 : r0 + chunk] @ w_VD.T).to(acc)
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            lse_R[r0 : r0 + chunk] = lse_C
+            logp_R[r0 : r0 + chunk] = logits_CV.gather(1, target_R[r0 : r0 + chunk, None])[:, 0] - lse_C
+        ctx.save_for_backward(hidden_RD, weight_VD, target_R, lse_R)
+        ctx.chunk, ctx.mm = chunk, mm
+        return logp_R
+
+    @staticmethod
+    def backward(ctx, grad_R: Tensor):
+        hidden_RD, weight_VD, target_R, lse_R = ctx.saved_tensors
+        mm, chunk = ctx.mm, ctx.chunk
+        acc = lse_R.dtype
+        h_RD, w_VD = hidden_RD.to(mm), weight_VD.to(mm)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h_RD = torch.empty_like(hidden_RD) if need_h else None
+        grad_w_VD = torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_w else None
+        for r0 in range(0, h_RD.shape[0], chunk):
+            h_CD = h_RD[r0 : r0 + chunk]
+            g_C = grad_R[r0 : r0 + chunk].to(acc)
+            # d logp / d logits = onehot(target) - softmax(logits)
+            probs_CV = torch.exp((h_CD @ w_VD.T).to(acc) - lse_R[r0 : r0 + chunk, None])
+            grad_logits_CV = probs_CV.mul_(-g_C[:, None])
+            grad_logits_CV.scatter_add_(1, target_R[r0 : r0 + chunk, None], g_C[:, None])
+            if need_h:
+                grad_h_RD[r0 : r0 + chunk] = (grad_logits_CV.to(mm) @ w_VD).to(hidden_RD.dtype)
+            if need_w:
+                grad_w_VD += (grad_logits_CV.to(mm).T @ h_CD).to(acc)
+        if need_w:
+            grad_w_VD = grad_w_VD.to(weight_VD.dtype)
+        return grad_h_RD, grad_w_VD, None, None
+
+
+def target_logprobs(hidden_RD: Tensor, weight_VD: Tensor, target_R: Tensor,
+                    chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Tensor:
+    """Log-prob [R] of ``target_R`` under ``softmax(hidden_RD @ weight_VD.T)``, in float32 (float64 for
+    float64 inputs), ``chunk_rows`` rows of logits alive at a time in forward and backward."""
+    if hidden_RD.shape[0] == 0:
+        acc = torch.float64 if hidden_RD.dtype == torch.float64 else torch.float32
+        return (hidden_RD.sum(-1) + weight_VD.sum() * 0).to(acc)  # empty, still attached to the graph
+    return _TargetLogProb.apply(hidden_RD, weight_VD, target_R.long(), int(chunk_rows))
+
+
+# --------------------------------------------------------------------------------------------------
+# Loss rows of a pack (numpy, shared by every mode)
+
+
+@dataclass
+class LossRows:
+    """The (sequence, position) rows of one pack that carry a loss, sequence-major."""
+
+    seq_R: np.ndarray  # int64 sequence index in the pack
+    flat_R: np.ndarray  # int64 index of the target in the flat concatenation of the pack's sequences
+    token_R: np.ndarray  # int64 pack index of the target token (path_s[j])
+    behaviour_logp_R: np.ndarray | None  # float64 behaviour log-probs, when the pack has them
+    loss_tokens_S: np.ndarray  # int64 rows per sequence
+    advantage_S: np.ndarray | None  # float64 per-sequence advantage, when known
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.seq_R.shape[0])
+
+    @property
+    def n_sequences_with_loss(self) -> int:
+        return int((self.loss_tokens_S > 0).sum())
+
+    @classmethod
+    def from_pack(cls, pack: Pack) -> "LossRows":
+        """Rows from the sequences' own fields (``seq_offsets``, ``seq_loss_mask``, ``seq_token_index``):
+        a sequence's first token is never predicted, whatever its mask says."""
+        offsets_S1 = np.asarray(pack.seq_offsets, dtype=np.int64)
+        S = offsets_S1.shape[0] - 1
+        mask_F = np.asarray(pack.seq_loss_mask).astype(bool, copy=True)
+        mask_F[offsets_S1[:-1][np.diff(offsets_S1) > 0]] = False
+        flat_R = np.flatnonzero(mask_F).astype(np.int64)
+        seq_R = np.searchsorted(offsets_S1, flat_R, side="right").astype(np.int64) - 1
+        token_R = np.asarray(pack.seq_token_index, dtype=np.int64)[flat_R]
+        behaviour = None
+        if pack.seq_logprobs is not None:
+            behaviour = np.asarray(pack.seq_logprobs, dtype=np.float64)[flat_R]
+            if np.isnan(behaviour).any():
+                behaviour = None  # some record had no log-probs: fall back to on-policy ratios
+        adv = None if pack.advantages is None else np.asarray(pack.advantages, dtype=np.float64)
+        return cls(seq_R=seq_R, flat_R=flat_R, token_R=token_R, behaviour_logp_R=behaviour,
+                   loss_tokens_S=np.bincount(seq_R, minlength=S).astype(np.int64), advantage_S=adv)
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """Normalisers over one global batch, fixed before its first forward (exact grad accumulation)."""
+
+    loss_tokens: int  # loss rows over every pack of the batch
+    sequences: int  # sequences of the batch with at least one loss row
+
+    @classmethod
+    def of(cls, rows: list[LossRows]) -> "BatchTotals":
+        return cls(loss_tokens=sum(r.n_rows for r in rows), sequences=sum(r.n_sequences_with_loss for r in rows))
+
+
+def row_weights(rows: LossRows, totals: BatchTotals, normalization: str) -> np.ndarray:
+    """w_R such that the batch loss is ``sum_r w_r * loss_r`` (float64)."""
+    if normalization == "token":
+        return np.full(rows.n_rows, 1.0 / max(totals.loss_tokens, 1), dtype=np.float64)
+    if normalization == "sequence":
+        return 1.0 / (max(totals.sequences, 1) * rows.loss_tokens_S[rows.seq_R].astype(np.float64))
+    raise ConfigError(f"normalization must be one of {', '.join(NORMALIZATIONS)}, got {normalization!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Objectives
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What is minimised, per row: SFT NLL or the GRPO/PPO-clip surrogate."""
+
+    kind: str = "sft"  # sft | grpo
+    normalization: str = "token"  # token | sequence
+    clip_low: float = 0.2  # eps_low: ratio clipped below at 1 - clip_low
+    clip_high: float = 0.2  # eps_high: ratio clipped above at 1 + clip_high (DAPO's clip-higher: 0.28)
+    kl_coef: float = 0.0  # weight of the k3 KL to the reference log-probs (0: off)
+
+    def __post_init__(self) -> None:
+        if self.kind not in LOSSES:
+            raise ConfigError(f"loss kind must be one of {', '.join(LOSSES)}, got {self.kind!r}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"normalization must be one of {', '.join(NORMALIZATIONS)}, got {self.normalization!r}")
+        if not (0 <= self.clip_low < 1) or self.clip_high < 0:
+            raise ConfigError(f"clip range must satisfy 0 <= clip_low < 1 and clip_high >= 0, "
+                              f"got {self.clip_low}, {self.clip_high}")
+        if self.kl_coef < 0:
+            raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
+
+    def row_tensors(self, rows: LossRows, totals: BatchTotals, *, device, dtype) -> dict[str, Tensor]:
+        """The per-row inputs of `loss` as tensors (weights, advantages, behaviour log-probs)."""
+        out = {"weight_R": torch.as_tensor(row_weights(rows, totals, self.normalization), dtype=dtype, device=device)}
+        if self.kind == "grpo":
+            if rows.advantage_S is None:
+                raise TreepackError("the grpo loss needs per-sequence advantages; these packs have none")
+            out["advantage_R"] = torch.as_tensor(rows.advantage_S[rows.seq_R], dtype=dtype, device=device)
+            if rows.behaviour_logp_R is not None:
+                out["behaviour_logp_R"] = torch.as_tensor(rows.behaviour_logp_R, dtype=dtype, device=device)
+        return out
+
+    def loss(self, logp_R: Tensor, weight_R: Tensor, advantage_R: Tensor | None = None,
+             behaviour_logp_R: Tensor | None = None, ref_logp_R: Tensor | None = None) -> Tensor:
+        """Scalar loss of these rows (their share of the batch loss: sum over packs gives the batch's)."""
+        if self.kind == "sft":
+            return -(weight_R * logp_R).sum()
+        return (weight_R * self.grpo_row_loss(logp_R, advantage_R, behaviour_logp_R, ref_logp_R)).sum()
+
+    def grpo_row_loss(self, logp_R: Tensor, advantage_R: Tensor, behaviour_logp_R: Tensor | None,
+                      ref_logp_R: Tensor | None) -> Tensor:
+        behaviour = logp_R.detach() if behaviour_logp_R is None else behaviour_logp_R
+        ratio_R = torch.exp(logp_R - behaviour)
+        clipped_R = torch.clamp(ratio_R, 1.0 - self.clip_low, 1.0 + self.clip_high)
+        loss_R = -torch.minimum(ratio_R * advantage_R, clipped_R * advantage_R)
+        if self.kl_coef > 0:
+            ref = behaviour if ref_logp_R is None else ref_logp_R
+            delta_R = ref - logp_R
+            loss_R = loss_R + self.kl_coef * (torch.exp(delta_R) - delta_R - 1.0)
+        return loss_R
+
+    def clip_fraction(self, logp_R: Tensor, behaviour_logp_R: Tensor | None) -> float:
+        """Share of rows whose ratio lies outside the clip range (a PPO health metric)."""
+        if behaviour_logp_R is None or logp_R.numel() == 0:
+            return 0.0
+        ratio = torch.exp(logp_R.detach() - behaviour_logp_R)
+        return float(((ratio < 1 - self.clip_low) | (ratio > 1 + self.clip_high)).float().mean())
+
+
+def token_weights_fast(pack: Pack, rows: LossRows, totals: BatchTotals, normalization: str
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Pack tokens U and weights w_U of the fast SFT path: ``loss = -sum_u w_u * logp_u``.
+
+    Token mean reads the pack's ``loss_weight`` (sequences training on each token) and needs no rows;
+    sequence mean scatters the row weights onto their tokens. Returns (token_U int64, weight_U float64).
+    """
+    if normalization == "token":
+        weight_T = np.asarray(pack.loss_weight, dtype=np.float64)
+        is_root_T = np.asarray(pack.parent) < 0
+        token_U = np.flatnonzero((weight_T > 0) & ~is_root_T)
+        return token_U, weight_T[token_U] / max(totals.loss_tokens, 1)
+    w_T = np.bincount(rows.token_R, weights=row_weights(rows, totals, normalization),
+                      minlength=int(np.asarray(pack.input_ids).shape[0]))
+    token_U = np.flatnonzero(w_T > 0)
+    return token_U, w_T[token_U]

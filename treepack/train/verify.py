@@ -1,0 +1,416 @@
+"""`treepack verify`: run the modes on the same packs and prove they train identically.
+
+For each pack, every mode computes its share of the batch loss and backpropagates from the same weights;
+the gradients of every parameter are compared with the ``dense`` baseline:
+``rel = max|g_mode - g_dense| / max|g_dense|`` per parameter (the reported maximum is over parameters and
+packs; the mean uses ``mean|g_mode - g_dense| / max|g_dense|``), plus the largest |log-prob| difference of
+any (sequence, token) row and the loss. Tolerance: float64, 1e-9 relative (measured: ~1e-15 on real
+packs); lower precisions compare each mode's error against a higher-precision dense reference and pass
+when it is at most 2x the same-dtype dense run's error (plus a small band), the flash-attention rule.
+
+What makes a corrupted pack fail. The dense baseline is rebuilt from the sequences' own fields
+(``seq_token_index`` into ``input_ids``, positions 0..L-1) and never reads ``parent``/``subtree_end``/
+``position_ids``/``loss_weight``; tree mode reads exactly those. A wrong field therefore changes the tree
+numbers and not the baseline's. Independently, `check_pack` re-derives the tree fields from the paths:
+each path's chain must equal the ``parent`` chain, positions must be depths, ``subtree_end`` must be the
+preorder subtree end implied by ``parent``, ``scale``/``loss_weight`` must be the path counts.
+
+The default model is tiny (2 layers, hidden 64, 4 query / 2 kv heads of 16, Qwen3 layout) and random,
+on the CPU in float64. Its vocabulary covers the data: the largest id + 1, or, when that exceeds
+`COMPACT_VOCAB_ABOVE` (a 151k Qwen vocabulary would make every log-prob a 151k-wide float64 softmax),
+the ids present, remapped to 0..n-1: the same equivalence question on a smaller, equally valid model.
+
+Legend: T pack tokens, F flat tokens, R loss rows, S sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from treepack.errors import ConfigError, TreepackError
+from treepack.layout import Pack
+from treepack.train.losses import BatchTotals, LossRows, Objective
+from treepack.train.model import Decoder, ModelArgs
+from treepack.train.modes import make_mode
+
+COMPACT_VOCAB_ABOVE = 8192
+TOLERANCE_FLOAT64 = 1e-9
+LOW_PRECISION_BAND = 1e-6  # absolute slack on the 2x rule: both errors are ~0 when grads are tiny
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_PROBLEMS = 20  # layout problems kept verbatim (all are counted)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout checks
+
+
+def _subtree_end_from_parent(parent_T: np.ndarray, n_real: int) -> np.ndarray | None:
+    """Preorder subtree ends implied by ``parent`` (None if parent is not a preorder forest)."""
+    T = parent_T.shape[0]
+    p_idx = np.arange(n_real)
+    if np.any(parent_T[:n_real] >= p_idx):
+        return None
+    end_T = np.arange(1, T + 1, dtype=np.int64)
+    parent = parent_T.tolist()
+    end = end_T.tolist()
+    for p in range(n_real - 1, -1, -1):
+        q = parent[p]
+        if q >= 0 and end[p] > end[q]:
+            end[q] = end[p]
+    return np.asarray(end, dtype=np.int64)
+
+
+def check_pack(pack: Pack, name: str = "pack") -> tuple[list[str], int]:
+    """Consistency of a pack's tree fields with its sequences' paths: (first problems, total count)."""
+    problems: list[str] = []
+    count = 0
+
+    def bad(msg: str, n: int = 1) -> None:
+        nonlocal count
+        count += n
+        if len(problems) < MAX_PROBLEMS:
+            problems.append(f"{name}: {msg}")
+
+    T = int(np.asarray(pack.input_ids).shape[0])
+    for field_name in ("position_ids", "parent", "subtree_end", "scale", "loss_weight"):
+        n = int(np.asarray(getattr(pack, field_name)).shape[0])
+        if n != T:
+            bad(f"{field_name} has {n} entries, input_ids {T}")
+    if count:
+        return problems, count
+    n_real = int(pack.n_real)
+    offsets_S1 = np.asarray(pack.seq_offsets, dtype=np.int64)
+    index_F = np.asarray(pack.seq_token_index, dtype=np.int64)
+    S = offsets_S1.shape[0] - 1
+    if offsets_S1[0] != 0 or np.any(np.diff(offsets_S1) < 1) or offsets_S1[-1] != index_F.shape[0]:
+        bad("seq_offsets do not split seq_token_index into non-empty sequences")
+        return problems, count
+    if np.any((index_F < 0) | (index_F >= n_real)):
+        bad(f"seq_token_index points outside the real tokens [0, {n_real})")
+        return problems, count
+    parent_T = np.asarray(pack.parent, dtype=np.int64)
+    lengths_S = np.diff(offsets_S1)
+    seq_F = np.repeat(np.arange(S), lengths_S)
+    j_F = np.arange(index_F.shape[0]) - offsets_S1[:-1][seq_F]
+    expected_parent_F = np.where(j_F == 0, -1, np.roll(index_F, 1))
+    wrong = np.flatnonzero(parent_T[index_F] != expected_parent_F)
+    if wrong.size:
+        f = int(wrong[0])
+        bad(f"{wrong.size} path steps disagree with parent (sequence {pack.seq_ids[seq_F[f]]!r}, token {j_F[f]}: "
+            f"parent[{index_F[f]}] = {parent_T[index_F[f]]}, its path says {expected_parent_F[f]})", wrong.size)
+    pos_T = np.asarray(pack.position_ids, dtype=np.int64)
+    wrong = np.flatnonzero(pos_T[index_F] != j_F)
+    if wrong.size:
+        f = int(wrong[0])
+        bad(f"{wrong.size} position_ids disagree with the path depth (position_ids[{index_F[f]}] = "
+            f"{pos_T[index_F[f]]}, depth {j_F[f]})", wrong.size)
+    if np.any(np.asarray(pack.seq_leaf, dtype=np.int64) != index_F[offsets_S1[1:] - 1]):
+        bad("seq_leaf is not the last token of each path")
+    end_T = _subtree_end_from_parent(parent_T, n_real)
+    if end_T is None:
+        bad("parent is not a preorder forest (some parent[p] >= p)")
+    else:
+        wrong = np.flatnonzero(np.asarray(pack.subtree_end, dtype=np.int64) != end_T)
+        if wrong.size:
+            k = int(wrong[0])
+            bad(f"{wrong.size} subtree_end entries disagree with parent (subtree_end[{k}] = "
+                f"{int(pack.subtree_end[k])}, parent implies {int(end_T[k])})", wrong.size)
+    scale_T = np.bincount(index_F, minlength=T)
+    wrong = np.flatnonzero(np.asarray(pack.scale) != scale_T)
+    if wrong.size:
+        bad(f"{wrong.size} scale entries differ from the number of paths through the token", wrong.size)
+    trains_F = (np.asarray(pack.seq_loss_mask) > 0) & (j_F > 0)
+    weight_T = np.bincount(index_F[trains_F], minlength=T)
+    predicted_T = parent_T >= 0
+    wrong = np.flatnonzero((np.asarray(pack.loss_weight) != weight_T) & predicted_T)
+    if wrong.size:
+        bad(f"{wrong.size} loss_weight entries differ from the number of sequences training on the token",
+            wrong.size)
+    return problems, count
+
+
+# --------------------------------------------------------------------------------------------------
+# Reports
+
+
+@dataclass
+class ModeReport:
+    mode: str
+    loss: float = 0.0  # batch loss (sum of the packs' shares)
+    max_rel_grad_diff: float = 0.0  # vs dense: max over packs and parameters of max|d| / max|g_dense|
+    mean_rel_grad_diff: float = 0.0  # vs dense: mean over packs and parameters of mean|d| / max|g_dense|
+    max_logprob_diff: float = 0.0  # vs dense: max |logp_mode - logp_dense| over rows
+    worst_param: str = ""  # parameter (and pack) of the max relative difference
+    ref_rel_grad_diff: float | None = None  # low precision: max rel grad error vs the reference run
+    forward_tokens: int = 0  # tokens through the model over all packs
+    seconds: float = 0.0
+    error: str | None = None  # the mode could not run (e.g. a corrupted pack)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class VerifyReport:
+    ok: bool
+    dtype: str
+    loss_kind: str
+    tolerance: float  # float64: relative; low precision: the factor on dense's error
+    packs: int
+    sequences: int
+    tree_tokens: int
+    flat_tokens: int
+    loss_tokens: int
+    vocab: str  # e.g. "3,438 ids present of 151,667 (remapped)"
+    advantages: str  # where GRPO advantages came from
+    layout_problems: list[str]
+    layout_problem_count: int
+    modes: dict[str, ModeReport] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def max_rel_grad_diff(self) -> float:
+        return max((m.max_rel_grad_diff for k, m in self.modes.items() if k != "dense"), default=0.0)
+
+    @property
+    def mean_rel_grad_diff(self) -> float:
+        return max((m.mean_rel_grad_diff for k, m in self.modes.items() if k != "dense"), default=0.0)
+
+    @property
+    def max_logprob_diff(self) -> float:
+        return max((m.max_logprob_diff for k, m in self.modes.items() if k != "dense"), default=0.0)
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "max_rel_grad_diff": self.max_rel_grad_diff,
+            "mean_rel_grad_diff": self.mean_rel_grad_diff,
+            "max_logprob_diff": self.max_logprob_diff,
+            "losses": {k: m.loss for k, m in self.modes.items()},
+            "tolerance": self.tolerance,
+            "dtype": self.dtype,
+            "loss": self.loss_kind,
+            "packs": self.packs,
+            "sequences": self.sequences,
+            "tree_tokens": self.tree_tokens,
+            "flat_tokens": self.flat_tokens,
+            "loss_tokens": self.loss_tokens,
+            "vocab": self.vocab,
+            "advantages": self.advantages,
+            "layout_ok": self.layout_problem_count == 0,
+            "layout_problems": self.layout_problems,
+            "layout_problem_count": self.layout_problem_count,
+            "modes": {k: m.to_json() for k, m in self.modes.items()},
+            "failures": self.failures,
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+
+
+def compact_vocab(packs: list[Pack]) -> tuple[list[Pack], int, int]:
+    """Remap token ids to 0..n-1 over the ids present: (packs, n ids present, largest id + 1)."""
+    ids = np.unique(np.concatenate([np.asarray(p.input_ids[: p.n_real]) for p in packs]))
+    remapped = [dataclasses.replace(p, input_ids=np.searchsorted(ids, np.asarray(p.input_ids)).astype(np.int32))
+                for p in packs]
+    return remapped, int(ids.shape[0]), int(ids[-1]) + 1
+
+
+def tiny_model_args(vocab_size: int) -> ModelArgs:
+    return ModelArgs.for_family("qwen3", vocab_size=vocab_size, hidden_size=64, intermediate_size=176,
+                                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def _synthetic_advantages(packs: list[Pack], seed: int) -> list[Pack]:
+    rng = np.random.default_rng(seed)
+    return [dataclasses.replace(p, advantages=rng.standard_normal(p.n_sequences)) for p in packs]
+
+
+def _grads(model: Decoder) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for n, p in model.named_parameters()}
+
+
+def verify_packs(
+    packs: list[Pack],
+    *,
+    modes: tuple[str, ...] = ("dense", "tree"),
+    dtype: str = "float64",
+    loss: str = "sft",
+    normalization: str = "token",
+    model: Decoder | None = None,
+    attention: str = "auto",
+    device: str = "cpu",
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Run ``modes`` on ``packs`` (one global batch) and compare every gradient with ``dense``.
+
+    ``model`` None builds the tiny random model over the data's vocabulary (see module doc); a given model
+    is copied to ``dtype`` and left unchanged.
+    """
+    if not packs:
+        raise TreepackError("nothing to verify: no packs")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    modes = tuple(dict.fromkeys(("dense",) + tuple(modes)))  # dense is the baseline: always run, first
+    for m in modes:
+        make_mode(m)  # validates the name
+    torch_dtype = DTYPES[dtype]
+
+    problems, n_problems = [], 0
+    for i, p in enumerate(packs):
+        found, n = check_pack(p, f"pack {i}")
+        problems.extend(found[: max(0, MAX_PROBLEMS - len(problems))])
+        n_problems += n
+
+    max_id = int(max(int(np.asarray(p.input_ids[: p.n_real]).max(initial=0)) for p in packs))
+    if model is None:
+        vocab = max_id + 1
+        vocab_note = f"{vocab:,} (largest id + 1)"
+        if vocab > COMPACT_VOCAB_ABOVE:
+            packs, vocab, _ = compact_vocab(packs)
+            vocab_note = f"{vocab:,} ids present of {max_id + 1:,} (remapped)"
+        base = Decoder.random_init(tiny_model_args(vocab), seed=seed, dtype=torch.float64)
+    else:
+        if max_id >= model.args.vocab_size:
+            raise ConfigError(f"token id {max_id} is outside the model's vocabulary ({model.args.vocab_size})")
+        base = model
+        vocab_note = f"{model.args.vocab_size:,} (the model's)"
+
+    objective = Objective(kind=loss, normalization=normalization)
+    adv_note = "-"
+    if loss == "grpo":
+        if all(p.advantages is not None for p in packs):
+            adv_note = "from the data"
+        else:
+            packs = _synthetic_advantages(packs, seed)
+            adv_note = "synthetic N(0, 1) per sequence (the data have none)"
+    rows = [LossRows.from_pack(p) for p in packs]
+    totals = BatchTotals.of(rows)
+
+    def model_in(dt: torch.dtype) -> Decoder:
+        m = Decoder(base.args)
+        m.load_state_dict({k: v.detach().to(dt) for k, v in base.state_dict().items()})
+        return m.to(device)
+
+    runs = [(m, torch_dtype) for m in modes]
+    ref_dtype = None
+    if torch_dtype != torch.float64:
+        ref_dtype = torch.float64 if torch_dtype == torch.float32 else torch.float32
+        runs.append(("reference", ref_dtype))
+    models = {dt: model_in(dt) for dt in {dt for _, dt in runs}}
+    reports = {m: ModeReport(mode=m) for m in modes}
+    ref_err = {m: 0.0 for m in modes}
+    total_steps, done = len(packs) * len(runs), 0
+    rel_sums = {m: 0.0 for m in modes}
+    rel_counts = {m: 0 for m in modes}
+
+    for i, (pack, row) in enumerate(zip(packs, rows)):
+        results: dict[str, tuple] = {}
+        for name, dt in runs:
+            m = models[dt]
+            mode = make_mode("dense" if name == "reference" else name,
+                             attention=None if name in ("dense", "reference") else attention)
+            m.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            try:
+                out = mode(m, pack, row, objective, totals)
+                out.loss.backward()
+            except (TreepackError, ValueError, RuntimeError, IndexError) as exc:
+                if name in reports and reports[name].error is None:
+                    reports[name].error = f"pack {i}: {exc}"
+                results[name] = None
+            else:
+                results[name] = (float(out.loss), out.logp_R.double(), _grads(m))
+                if name in reports:
+                    reports[name].loss += float(out.loss)
+                    reports[name].forward_tokens += out.forward_tokens
+            if name in reports:
+                reports[name].seconds += time.perf_counter() - t0
+            done += 1
+            if progress is not None:
+                progress(done, total_steps)
+        dense = results.get("dense")
+        for name in modes:
+            res, rep = results.get(name), reports[name]
+            if res is None or dense is None or name == "dense":
+                continue
+            rep.max_logprob_diff = max(rep.max_logprob_diff, float((res[1] - dense[1]).abs().max(initial=0.0))
+                                       if res[1].numel() else 0.0)
+            for pname, g in res[2].items():
+                gd = dense[2][pname].double()
+                diff = (g.double() - gd).abs()
+                scale = float(gd.abs().max())
+                rel = float(diff.max()) / scale if scale > 0 else float(diff.max())
+                rel_sums[name] += float(diff.mean()) / scale if scale > 0 else float(diff.mean())
+                rel_counts[name] += 1
+                if not rep.worst_param or rel > rep.max_rel_grad_diff:
+                    rep.max_rel_grad_diff, rep.worst_param = rel, f"{pname} (pack {i})"
+        ref = results.get("reference")
+        if ref is not None:
+            for name in modes:
+                res = results.get(name)
+                if res is None:
+                    continue
+                for pname, g in res[2].items():
+                    gr = ref[2][pname].double()
+                    scale = float(gr.abs().max())
+                    err = float((g.double() - gr).abs().max())
+                    ref_err[name] = max(ref_err[name], err / scale if scale > 0 else err)
+    for name in modes:
+        if rel_counts[name]:
+            reports[name].mean_rel_grad_diff = rel_sums[name] / rel_counts[name]
+        if ref_dtype is not None:
+            reports[name].ref_rel_grad_diff = ref_err[name]
+
+    failures = []
+    if n_problems:
+        failures.append(f"{n_problems} layout problems (the tree fields disagree with the sequences' paths)")
+    for name, rep in reports.items():
+        if rep.error:
+            failures.append(f"{name}: could not run ({rep.error})")
+    if torch_dtype == torch.float64:
+        tolerance = TOLERANCE_FLOAT64
+        dense_loss = reports["dense"].loss
+        for name, rep in reports.items():
+            if name == "dense" or rep.error:
+                continue
+            if rep.max_rel_grad_diff > tolerance:
+                failures.append(f"{name}: gradients differ from dense by {rep.max_rel_grad_diff:.3g} relative "
+                                f"(tolerance {tolerance:g}; worst {rep.worst_param})")
+            loss_gap = abs(rep.loss - dense_loss) / max(abs(dense_loss), 1e-300)
+            if loss_gap > tolerance:
+                failures.append(f"{name}: loss differs from dense by {loss_gap:.3g} relative")
+    else:
+        tolerance = 2.0
+        bound = 2.0 * ref_err["dense"] + LOW_PRECISION_BAND
+        for name, rep in reports.items():
+            if name != "dense" and not rep.error and ref_err[name] > bound:
+                failures.append(f"{name}: gradient error vs the {str(ref_dtype).removeprefix('torch.')} reference "
+                                f"{ref_err[name]:.3g} exceeds 2x dense's {ref_err['dense']:.3g}")
+
+    return VerifyReport(
+        ok=not failures,
+        dtype=dtype,
+        loss_kind=loss,
+        tolerance=tolerance,
+        packs=len(packs),
+        sequences=sum(p.n_sequences for p in packs),
+        tree_tokens=sum(int(p.n_real) for p in packs),
+        flat_tokens=sum(int(np.asarray(p.seq_offsets)[-1]) for p in packs),
+        loss_tokens=totals.loss_tokens,
+        vocab=vocab_note,
+        advantages=adv_note,
+        layout_problems=problems,
+        layout_problem_count=n_problems,
+        modes=reports,
+        failures=failures,
+    )
