@@ -21,6 +21,9 @@ app = typer.Typer(
 
 COMMANDS: list[tuple[str, str, str]] = [
     ("stats", "treepack.cli.stats", "stats"),
+    ("plot", "treepack.cli.plot", "plot"),
+    ("report", "treepack.cli.report", "report"),
+    ("synth", "treepack.cli.synth", "synth"),
 ]
 
 

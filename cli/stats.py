@@ -111,6 +111,7 @@ def stats(
     min_compression: Optional[float] = typer.Option(None, "--min-compression", help="Gate: fail below this C."),
     min_por: Optional[float] = typer.Option(None, "--min-por", help="Gate: fail below this POR."),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Gate: fail if a sequence is longer."),
+    plot_dir: Optional[Path] = typer.Option(None, "--plot", help="Also write the figures (tree, active, hist, packs) as PNGs into this directory."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Compression rate C, POR, C_leaf, C_attn and the shape of the prefix trees; exit 1 if a gate fails."""
@@ -127,6 +128,10 @@ def stats(
     tree = PrefixTree.build(rollouts, group_by=group_by)
     st = compute_stats(tree, rollouts=rollouts, model=model, top_groups=top)
     gate = Gate(min_compression=min_compression, min_por=min_por, max_seq_len=max_seq_len)
+    if plot_dir is not None:  # before the gate, so a failing CI run still leaves its figures
+        from treepack.cli.plot import write_stats_figures  # matplotlib is imported only when asked for
+
+        write_stats_figures(plot_dir, rollouts, tree, group_by=group_by, files=files, st=st, quiet=quiet)
     emit(st, gate, files=files, as_json=as_json, skipped_examples=rollouts.skipped_examples)
 
 

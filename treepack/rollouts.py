@@ -40,7 +40,6 @@ from treepack.errors import InputError
 TOKEN_ALIASES = ("input_ids", "tokens", "token_ids")
 GROUP_ALIASES = ("tree_id", "group_id")
 INT32_MAX = 2**31 - 1
-PARQUET_BATCH_ROWS = 8192
 
 Progress = Callable[[int], None]  # called with the number of input bytes just consumed
 
@@ -146,6 +145,9 @@ class _Builder:
     """Accumulates validated chunks from any number of files, then concatenates once."""
 
     def __init__(self) -> None:
+        self._flat: np.ndarray | None = None  # preallocated token buffer (Parquet: size known up front)
+        self._flat_mask: np.ndarray | None = None
+        self._flat_used = 0
         self.tokens: list[np.ndarray] = []
         self.lengths: list[np.ndarray] = []
         self.loss_mask: list[np.ndarray | None] = []
@@ -158,9 +160,26 @@ class _Builder:
         self.has = Counter()  # which optional fields appeared at all
         self.n = 0
 
+    def reserve(self, n_tokens: int) -> None:
+        """Preallocate room for ``n_tokens`` more tokens, so that building never holds two copies."""
+        if self._flat is None and not self.tokens:
+            self._flat = np.empty(n_tokens, dtype=np.int32)
+            self._flat_mask = np.empty(n_tokens, dtype=np.uint8)
+
     def add_chunk(self, *, tokens, lengths, loss_mask, logprobs, ids, groups, steps, advantages, rewards):
         n = len(lengths)
-        self.tokens.append(np.asarray(tokens, dtype=np.int32))
+        tokens = np.asarray(tokens, dtype=np.int32)
+        a, b = self._flat_used, self._flat_used + len(tokens)
+        if self._flat is not None and b <= len(self._flat):
+            self._flat[a:b] = tokens
+            self._flat_mask[a:b] = 1 if loss_mask is None else loss_mask
+            self._flat_used = b
+            tokens = self._flat[a:b]
+            loss_mask = None if loss_mask is None else self._flat_mask[a:b]
+        elif self._flat is not None:  # the reservation was too small: fall back to chunks
+            self.tokens.append(self._flat[:a].copy())
+            self._flat = None
+        self.tokens.append(tokens)
         self.lengths.append(np.asarray(lengths, dtype=np.int64))
         self.loss_mask.append(loss_mask)
         self.logprobs.append(logprobs)
@@ -186,11 +205,16 @@ class _Builder:
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        tokens = np.concatenate(self.tokens) if self.tokens else np.zeros(0, dtype=np.int32)
+        if self._flat is not None:  # every chunk is a view of the reservation: no copy
+            tokens = self._flat[: self._flat_used]
+        else:
+            tokens = np.concatenate(self.tokens) if self.tokens else np.zeros(0, dtype=np.int32)
         self.tokens.clear()
 
         loss_mask = None
-        if self.has["loss_mask"]:
+        if self.has["loss_mask"] and self._flat is not None:
+            loss_mask = self._flat_mask[: self._flat_used]
+        elif self.has["loss_mask"]:
             loss_mask = np.concatenate(
                 [m if m is not None else np.ones(int(ls.sum()), np.uint8) for m, ls in zip(self.loss_mask, self.lengths)]
             ).astype(np.uint8, copy=False)
@@ -773,17 +797,27 @@ def _read_parquet(path, tokens_field, on_error, builder, skipped, examples, prog
         raise InputError(f"{path}: missing tokens field {want}; found fields: {found}")
     wanted = [c for c in cols if c in (*TOKEN_ALIASES, *((tokens_field,) if tokens_field else ()), "loss_mask",
                                        "logprobs", "id", *GROUP_ALIASES, "step", "advantage", "reward")]
+    tf = next(n for n in names if n in cols)
+    leaf = pf.metadata.schema.to_arrow_schema().get_field_index(tf)
+    if leaf >= 0:
+        col_index = [pf.metadata.row_group(0).column(j).path_in_schema for j in range(pf.metadata.num_columns)]
+        j = next((j for j, p in enumerate(col_index) if p.split(".")[0] == tf), None)
+        if j is not None:
+            builder.reserve(sum(pf.metadata.row_group(i).column(j).num_values for i in range(pf.metadata.num_row_groups)))
     row_base = 0
     bytes_per_row = os.path.getsize(path) / max(pf.metadata.num_rows, 1)
-    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=wanted):
-        table = pa.Table.from_batches([batch])
+    # Row group by row group: as fast as reading the whole table (iter_batches re-slices nested columns
+    # and was ~2x slower on token lists) while memory stays at one row group plus the flat output.
+    for i in range(pf.metadata.num_row_groups):
+        table = pf.read_row_group(i, columns=wanted, use_threads=False)
         _ingest_table(
             path, table, tokens_field, builder, row_base=row_base, strict=False, id_base=0,
             on_error=on_error, skipped=skipped, examples=examples, row_word="row",
         )
         row_base += table.num_rows
+        del table
         if progress is not None:
-            progress(int(table.num_rows * bytes_per_row))
+            progress(int(pf.metadata.row_group(i).num_rows * bytes_per_row))
 
 
 def to_arrow(r: Rollouts) -> pa.Table:

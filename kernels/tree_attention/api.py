@@ -17,7 +17,6 @@ Shape suffixes: T pack tokens, P prefix tokens, H query heads, K kv heads, D hea
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -57,13 +56,19 @@ def triton_unsupported_reason(q: Tensor) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
+_TRITON_IMPORTABLE: bool | None = None  # cached answer (a plain global: torch.compile traces it as a constant)
+
+
 def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    global _TRITON_IMPORTABLE
+    if _TRITON_IMPORTABLE is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON_IMPORTABLE = True
+        except ImportError:
+            _TRITON_IMPORTABLE = False
+    return _TRITON_IMPORTABLE
 
 
 def _validate(

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -60,16 +60,24 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile shapes of the three kernels; ``autotune`` lets Triton pick shapes, warps and stages on GPU."""
+    """Tile shapes, warps and pipeline stages of the three kernels.
+
+    ``autotune`` lets Triton pick the forward / dQ query block and every kernel's warps, stages and the
+    dK/dV tiles on GPU; the schedule blocks (``sched_m``, ``sched_n``) are fixed by the TreeMaskInfo.
+    """
 
     sched_m: int = 128  # queries per schedule row (prepare's block_m)
     sched_n: int = 64  # keys per schedule block (prepare's block_n) = forward / dQ BLOCK_N
     fwd_block_m: int = 128  # forward queries per program, divides sched_m
+    fwd_warps: int = 8
+    fwd_stages: int = 3
     dq_block_m: int = 128  # dQ queries per program, divides sched_m
+    dq_warps: int = 8
+    dq_stages: int = 2
     dkdv_block_n: int = 128  # dK/dV keys per program
     dkdv_block_m: int = 64  # dK/dV queries per inner step
-    num_warps: int = 8
-    num_stages: int = 3
+    dkdv_warps: int = 8
+    dkdv_stages: int = 2
     autotune: bool = True
 
     def __post_init__(self):
@@ -82,30 +90,21 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name}={getattr(self, name)} must divide sched_m={self.sched_m}")
 
     def as_list(self) -> list[int]:
-        return [
-            self.sched_m,
-            self.sched_n,
-            self.fwd_block_m,
-            self.dq_block_m,
-            self.dkdv_block_n,
-            self.dkdv_block_m,
-            self.num_warps,
-            self.num_stages,
-            int(self.autotune),
-        ]
+        return [int(getattr(self, f.name)) for f in fields(self)]
 
     @staticmethod
-    def from_list(values: list[int]) -> "KernelConfig":
-        *ints, autotune = values
-        return KernelConfig(*ints, autotune=bool(autotune))
+    def from_list(values: list[int]) -> KernelConfig:
+        kw = {f.name: v for f, v in zip(fields(KernelConfig), values)}
+        kw["autotune"] = bool(kw["autotune"])
+        return KernelConfig(**kw)
 
 
 GPU_DEFAULT = KernelConfig()
 # Small tiles: exercise ragged blocks, sub-blocks of a schedule row and several blocks per pack on tiny
 # inputs; what the tests and the interpreter run.
 PINNED = KernelConfig(
-    sched_m=32, sched_n=16, fwd_block_m=16, dq_block_m=32, dkdv_block_n=32, dkdv_block_m=16,
-    num_warps=4, num_stages=1, autotune=False,
+    sched_m=32, sched_n=16, fwd_block_m=16, fwd_warps=4, fwd_stages=1, dq_block_m=32, dq_warps=4, dq_stages=1,
+    dkdv_block_n=32, dkdv_block_m=16, dkdv_warps=4, dkdv_stages=1, autotune=False,
 )
 
 
@@ -130,17 +129,17 @@ def _fwd_step(
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASK_TREE:
         se = tl.load(se_ptrs, mask=kv_ptr_mask, other=0)
         visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
-        s = tl.where(visible, s, float("-inf"))
+        qk = tl.where(visible, qk, float("-inf"))
     elif MASK_BOUNDS:
-        s = tl.where(kv_ptr_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+        qk = tl.where(kv_ptr_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
     # A row may have seen nothing yet (m = -inf): subtract 0 instead so that exp2 gives 0, not NaN.
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_sub[:, None])
+    p = tl.math.exp2(qk * scale_log2 - m_sub[:, None])  # one FMA per score
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -153,7 +152,7 @@ def _fwd_kernel(
     scale_log2, T, P, T_BUCKET,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ph, stride_ot, stride_oh, stride_list,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SCHED_M: tl.constexpr, HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
+    SCHED_M: tl.constexpr, HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     h = tl.program_id(0)
     SUB: tl.constexpr = SCHED_M // BLOCK_M
@@ -183,7 +182,7 @@ def _fwd_kernel(
     n_full = tl.load(KV_FULL + row)
     n_all = tl.load(KV_COUNT + row)
     list_ptr = KV_LIST + row * stride_list
-    for i in range(0, n_full):
+    for i in tl.range(0, n_full, warp_specialize=WARP_SPEC):
         kv = tl.load(list_ptr + i) * BLOCK_N + offs_n
         k_ptrs = K + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
         v_ptrs = V + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
@@ -191,7 +190,7 @@ def _fwd_kernel(
             q, m_i, l_i, acc, k_ptrs, v_ptrs, offs_m, kv, kv < T, SE + kv, scale_log2,
             MASK_TREE=False, MASK_BOUNDS=False, PRECISION=PRECISION,
         )
-    for i in range(n_full, n_all):
+    for i in tl.range(n_full, n_all, warp_specialize=WARP_SPEC):
         kv = tl.load(list_ptr + i) * BLOCK_N + offs_n
         k_ptrs = K + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
         v_ptrs = V + kv[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
@@ -487,7 +486,7 @@ def _check_index_range(T: int, H: int, D: int) -> None:
 
 def _launch_fwd(
     q_THD, k_TKD, v_TKD, pk_PKD, pv_PKD, subtree_end_T, kv_list_MN, kv_full_M, kv_count_M, q_order_M,
-    scale: float, cfg: KernelConfig,
+    scale: float, cfg: KernelConfig, warp_specialize: bool = False,
 ):
     T, H, D = q_THD.shape
     K = k_TKD.shape[1]
@@ -503,7 +502,7 @@ def _launch_fwd(
     )
     const = dict(
         GROUP=H // K, HEAD_DIM=D, BLOCK_N=cfg.sched_n, SCHED_M=cfg.sched_m, HAS_PREFIX=P > 0,
-        PRECISION=_precision(q_THD.dtype),
+        PRECISION=_precision(q_THD.dtype), WARP_SPEC=warp_specialize,
     )
     M = triton.cdiv(T, cfg.sched_m)  # programs cover whole schedule rows (launched in q_order)
     if cfg.autotune and not _interpreting():
@@ -511,55 +510,55 @@ def _launch_fwd(
         _autotuned("fwd")[grid](*args, **const)
     else:
         grid = (H, M * (cfg.sched_m // cfg.fwd_block_m))
-        _fwd_kernel[grid](*args, **const, BLOCK_M=cfg.fwd_block_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _fwd_kernel[grid](
+            *args, **const, BLOCK_M=cfg.fwd_block_m, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages
+        )
     return o_THD, lse_HT
 
 
-def _launch_bwd(
-    do_THD, q_THD, k_TKD, v_TKD, pk_PKD, pv_PKD, o_THD, lse_HT, subtree_end_T, kv_list_MN, kv_full_M,
-    kv_count_M, q_order_M, scale: float, cfg: KernelConfig,
+def _launch_delta(o_THD, do_THD):
+    T, H, D = o_THD.shape
+    delta_HT = torch.empty(H, T, device=o_THD.device, dtype=torch.float32)
+    block = 64
+    _bwd_delta_kernel[(H, triton.cdiv(T, block))](
+        o_THD, do_THD, delta_HT, T, o_THD.stride(0), o_THD.stride(1), do_THD.stride(0), do_THD.stride(1),
+        HEAD_DIM=D, BLOCK_M=block,
+    )
+    return delta_HT
+
+
+def _launch_dkdv(do_THD, q_THD, keys_NKD, values_NKD, lse_HT, delta_HT, subtree_end_T, scale, is_prefix, cfg):
+    """dK, dV of the pack's keys (is_prefix=False) or of the P prefix keys seen by all queries (True)."""
+    T, H, D = q_THD.shape
+    n_keys, K = keys_NKD.shape[0], keys_NKD.shape[1]
+    dk_NKD = torch.empty_like(keys_NKD)
+    dv_NKD = torch.empty_like(values_NKD)
+    args = (
+        q_THD, keys_NKD, values_NKD, do_THD, lse_HT, delta_HT, dk_NKD, dv_NKD, subtree_end_T,
+        scale, scale * LOG2E, T, n_keys, _t_bucket(T),
+        q_THD.stride(0), q_THD.stride(1), keys_NKD.stride(0), keys_NKD.stride(1), do_THD.stride(0),
+        do_THD.stride(1), dk_NKD.stride(0), dk_NKD.stride(1),
+    )
+    const = dict(GROUP=H // K, HEAD_DIM=D, IS_PREFIX=is_prefix, PRECISION=_precision(q_THD.dtype))
+    if cfg.autotune and not _interpreting():
+        grid = lambda meta: (K, triton.cdiv(n_keys, meta["BLOCK_N1"]))  # noqa: E731
+        _autotuned("dkdv")[grid](*args, **const)
+    else:
+        grid = (K, triton.cdiv(n_keys, cfg.dkdv_block_n))
+        _bwd_dkdv_kernel[grid](
+            *args, **const, BLOCK_N1=cfg.dkdv_block_n, BLOCK_M1=cfg.dkdv_block_m,
+            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        )
+    return dk_NKD, dv_NKD
+
+
+def _launch_dq(
+    do_THD, q_THD, k_TKD, v_TKD, pk_PKD, pv_PKD, lse_HT, delta_HT, subtree_end_T, kv_list_MN, kv_full_M,
+    kv_count_M, q_order_M, scale, cfg,
 ):
     T, H, D = q_THD.shape
     K = k_TKD.shape[1]
     P = 0 if pk_PKD is None else pk_PKD.shape[0]
-    dev = q_THD.device
-    precision = _precision(q_THD.dtype)
-    tuned = cfg.autotune and not _interpreting()
-
-    delta_HT = torch.empty(H, T, device=dev, dtype=torch.float32)
-    delta_block = 64
-    _bwd_delta_kernel[(H, triton.cdiv(T, delta_block))](
-        o_THD, do_THD, delta_HT, T, o_THD.stride(0), o_THD.stride(1), do_THD.stride(0), do_THD.stride(1),
-        HEAD_DIM=D, BLOCK_M=delta_block,
-    )
-
-    dk_TKD = torch.empty_like(k_TKD)
-    dv_TKD = torch.empty_like(v_TKD)
-    dpk_PKD = torch.empty_like(pk_PKD) if P else k_TKD.new_empty(0, K, D)
-    dpv_PKD = torch.empty_like(pv_PKD) if P else v_TKD.new_empty(0, K, D)
-    for is_prefix, keys, values, dkeys, dvalues, n_keys in (
-        (False, k_TKD, v_TKD, dk_TKD, dv_TKD, T),
-        (True, pk_PKD, pv_PKD, dpk_PKD, dpv_PKD, P),
-    ):
-        if n_keys == 0:
-            continue
-        args = (
-            q_THD, keys, values, do_THD, lse_HT, delta_HT, dkeys, dvalues, subtree_end_T,
-            scale, scale * LOG2E, T, n_keys, _t_bucket(T),
-            q_THD.stride(0), q_THD.stride(1), keys.stride(0), keys.stride(1), do_THD.stride(0), do_THD.stride(1),
-            dkeys.stride(0), dkeys.stride(1),
-        )
-        const = dict(GROUP=H // K, HEAD_DIM=D, IS_PREFIX=is_prefix, PRECISION=precision)
-        if tuned:
-            grid = lambda meta: (K, triton.cdiv(n_keys, meta["BLOCK_N1"]))  # noqa: E731
-            _autotuned("dkdv")[grid](*args, **const)
-        else:
-            grid = (K, triton.cdiv(n_keys, cfg.dkdv_block_n))
-            _bwd_dkdv_kernel[grid](
-                *args, **const, BLOCK_N1=cfg.dkdv_block_n, BLOCK_M1=cfg.dkdv_block_m,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
-
     dq_THD = torch.empty_like(q_THD)
     pk, pv = (pk_PKD, pv_PKD) if P else (k_TKD, v_TKD)
     args = (
@@ -570,15 +569,36 @@ def _launch_bwd(
         do_THD.stride(0), do_THD.stride(1), dq_THD.stride(0), dq_THD.stride(1), kv_list_MN.stride(0),
     )
     const = dict(
-        GROUP=H // K, HEAD_DIM=D, BLOCK_N=cfg.sched_n, SCHED_M=cfg.sched_m, HAS_PREFIX=P > 0, PRECISION=precision,
+        GROUP=H // K, HEAD_DIM=D, BLOCK_N=cfg.sched_n, SCHED_M=cfg.sched_m, HAS_PREFIX=P > 0,
+        PRECISION=_precision(q_THD.dtype),
     )
     M = triton.cdiv(T, cfg.sched_m)
-    if tuned:
+    if cfg.autotune and not _interpreting():
         grid = lambda meta: (H, M * (cfg.sched_m // meta["BLOCK_M"]))  # noqa: E731
         _autotuned("dq")[grid](*args, **const)
     else:
         grid = (H, M * (cfg.sched_m // cfg.dq_block_m))
-        _bwd_dq_kernel[grid](*args, **const, BLOCK_M=cfg.dq_block_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _bwd_dq_kernel[grid](
+            *args, **const, BLOCK_M=cfg.dq_block_m, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages
+        )
+    return dq_THD
+
+
+def _launch_bwd(
+    do_THD, q_THD, k_TKD, v_TKD, pk_PKD, pv_PKD, o_THD, lse_HT, subtree_end_T, kv_list_MN, kv_full_M,
+    kv_count_M, q_order_M, scale: float, cfg: KernelConfig,
+):
+    K, D = k_TKD.shape[1], k_TKD.shape[2]
+    delta_HT = _launch_delta(o_THD, do_THD)
+    dk_TKD, dv_TKD = _launch_dkdv(do_THD, q_THD, k_TKD, v_TKD, lse_HT, delta_HT, subtree_end_T, scale, False, cfg)
+    if pk_PKD is not None and pk_PKD.shape[0]:
+        dpk_PKD, dpv_PKD = _launch_dkdv(do_THD, q_THD, pk_PKD, pv_PKD, lse_HT, delta_HT, subtree_end_T, scale, True, cfg)
+    else:
+        dpk_PKD, dpv_PKD = k_TKD.new_empty(0, K, D), v_TKD.new_empty(0, K, D)
+    dq_THD = _launch_dq(
+        do_THD, q_THD, k_TKD, v_TKD, pk_PKD, pv_PKD, lse_HT, delta_HT, subtree_end_T, kv_list_MN, kv_full_M,
+        kv_count_M, q_order_M, scale, cfg,
+    )
     return dq_THD, dk_TKD, dv_TKD, dpk_PKD, dpv_PKD
 
 

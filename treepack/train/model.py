@@ -42,6 +42,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from treepack.errors import ConfigError
 
@@ -248,18 +249,41 @@ class AttentionContext:
         return _causal_sdpa(q_THE, k_TKE, v_TKE, self.lengths)
 
 
+CAUSAL_SCORE_BUDGET = 1 << 24  # score elements per SDPA call of the causal path (128 MiB in float64)
+
+
+def _causal_chunk(q_HCE: Tensor, k_HSE: Tensor, v_HSE: Tensor, q0: int) -> Tensor:
+    C, S = q_HCE.shape[1], k_HSE.shape[1]
+    visible_CS = torch.arange(S, device=q_HCE.device)[None, :] <= torch.arange(q0, q0 + C, device=q_HCE.device)[:, None]
+    return F.scaled_dot_product_attention(q_HCE, k_HSE, v_HSE, attn_mask=visible_CS)
+
+
 def _causal_sdpa(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, lengths: Sequence[int]) -> Tensor:
-    """Causal attention within each of the concatenated sequences (one SDPA call per sequence)."""
+    """Causal attention within each of the concatenated sequences, one SDPA call per (sequence, query
+    chunk). A long sequence is cut into query chunks of at most `CAUSAL_SCORE_BUDGET` scores, each
+    checkpointed under autograd: memory O(L x chunk) instead of the O(L^2) probabilities that CPU SDPA
+    would keep for backward (27 GB for the 53 sequences of two 16k-token tau-bench packs)."""
     T, H, E = q_THE.shape
     if sum(lengths) != T:
         raise ValueError(f"causal attention: sequence lengths sum to {sum(lengths)}, tokens T={T}")
     groups = H // k_TKE.shape[1]
+    grad = torch.is_grad_enabled() and (q_THE.requires_grad or k_TKE.requires_grad or v_TKE.requires_grad)
     outs, start = [], 0
     for n in lengths:
         q_HLE = q_THE[start : start + n].transpose(0, 1)
         k_HLE = k_TKE[start : start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
         v_HLE = v_TKE[start : start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
-        outs.append(F.scaled_dot_product_attention(q_HLE, k_HLE, v_HLE, is_causal=True).transpose(0, 1))
+        chunk = max(1, CAUSAL_SCORE_BUDGET // (H * n))
+        if chunk >= n:
+            o_HLE = F.scaled_dot_product_attention(q_HLE, k_HLE, v_HLE, is_causal=True)
+        else:
+            parts = []
+            for q0 in range(0, n, chunk):
+                q1 = min(q0 + chunk, n)
+                args = (q_HLE[:, q0:q1], k_HLE[:, :q1], v_HLE[:, :q1], q0)
+                parts.append(checkpoint(_causal_chunk, *args, use_reentrant=False) if grad else _causal_chunk(*args))
+            o_HLE = torch.cat(parts, dim=1)
+        outs.append(o_HLE.transpose(0, 1))
         start += n
     return torch.cat(outs, dim=0) if len(outs) != 1 else outs[0]
 
@@ -440,7 +464,7 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.model.layers):
             past = None if past_kv is None else past_kv[i]
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x_TD, kv = torch.utils.checkpoint.checkpoint(
+                x_TD, kv = checkpoint(
                     layer, x_TD, cos_TE, sin_TE, attn, past, use_reentrant=False
                 )
             else:

@@ -10,8 +10,10 @@
   positions (``position_ids``); each needed pack token p gets one log-prob, read at ``parent[p]``; rows
   gather them, so a shared token's gradient is summed over its sequences (gradient restoration). SFT with
   token-mean uses the fast path over ``loss_weight`` (no per-row tensors). Cost: T = N_tree tokens.
-- ``dfs`` (AReaL-DTA, later) plugs in here: the model already takes a per-layer cached prefix
-  (``past_kv``) and returns a segment's keys/values.
+- ``dfs`` (AReaL-DTA; ``treepack/train/dfs.py``): walks the pack's tree depth first, forwarding each
+  chain segment over the cached keys/values of its path and back-propagating as it pops, so the live
+  graph is bounded by ``dfs_block_size`` tokens. It runs its backward inside the call (``backward_done``);
+  callers use ``ModeResult.backward()``, which is ``loss.backward()`` for the other modes.
 
 Legend: T pack tokens, F flat tokens (sum of the pack's sequence lengths), R loss rows, U pack tokens
 whose log-prob is needed, D hidden size.
@@ -30,7 +32,7 @@ from treepack.layout import Pack
 from treepack.train.losses import BatchTotals, LossRows, Objective, target_logprobs, token_weights_fast
 from treepack.train.model import AttentionContext, Decoder
 
-MODES = ("dense", "tree")
+MODES = ("dense", "tree", "dfs")
 
 
 class LayoutError(TreepackError):
@@ -43,6 +45,12 @@ class ModeResult:
     logp_R: Tensor  # detached log-probs of the pack's loss rows (sequence-major)
     forward_tokens: int  # tokens the forward computed (N_tree for tree, N_flat for dense)
     metrics: dict = field(default_factory=dict)
+    backward_done: bool = False  # dfs back-propagates inside the call; its loss is then detached
+
+    def backward(self) -> None:
+        """Back-propagate this pack's loss into the parameters' ``.grad`` (already done for dfs)."""
+        if not self.backward_done:
+            self.loss.backward()
 
 
 def _row_dtype(model: Decoder) -> torch.dtype:
@@ -143,8 +151,14 @@ class TreeMode(Mode):
 
 
 def make_mode(name: str, *, attention: str | None = None, chunk_rows: int = 4096,
-              sft_fast_path: bool = True) -> Mode:
-    """A mode by name; ``attention`` None picks its default (dense: sdpa, tree: auto)."""
+              sft_fast_path: bool = True, dfs_block_size: int | None = 2048, dfs_keep_tokens: int = 0,
+              dfs_order: str = "backward") -> Mode:
+    """A mode by name; ``attention`` None picks its default (dense: sdpa, tree and dfs: auto)."""
+    if name == "dfs":
+        from treepack.train.dfs import DfsMode
+
+        return DfsMode(attention or "auto", chunk_rows=chunk_rows, block_size=dfs_block_size,
+                       keep_tokens=dfs_keep_tokens, order=dfs_order, sft_fast_path=sft_fast_path)
     if name == "dense":
         return DenseMode(attention or "sdpa", chunk_rows=chunk_rows)
     if name == "tree":

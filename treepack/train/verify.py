@@ -37,6 +37,7 @@ from treepack.errors import ConfigError, TreepackError
 from treepack.layout import Pack
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import Decoder, ModelArgs
+from treepack.train.dfs import merge_work
 from treepack.train.modes import make_mode
 
 COMPACT_VOCAB_ABOVE = 8192
@@ -149,6 +150,7 @@ class ModeReport:
     worst_param: str = ""  # parameter (and pack) of the max relative difference
     ref_rel_grad_diff: float | None = None  # low precision: max rel grad error vs the reference run
     forward_tokens: int = 0  # tokens through the model over all packs
+    work: dict = field(default_factory=dict)  # dfs: tokens forwarded with/without grad, back-propagated, peaks
     seconds: float = 0.0
     error: str | None = None  # the mode could not run (e.g. a corrupted pack)
 
@@ -250,11 +252,13 @@ def verify_packs(
     device: str = "cpu",
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    mode_options: dict | None = None,
 ) -> VerifyReport:
     """Run ``modes`` on ``packs`` (one global batch) and compare every gradient with ``dense``.
 
     ``model`` None builds the tiny random model over the data's vocabulary (see module doc); a given model
-    is copied to ``dtype`` and left unchanged.
+    is copied to ``dtype`` and left unchanged. ``mode_options``: extra `make_mode` keywords
+    (``dfs_block_size``, ``dfs_keep_tokens``, ``dfs_order``).
     """
     if not packs:
         raise TreepackError("nothing to verify: no packs")
@@ -262,7 +266,7 @@ def verify_packs(
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     modes = tuple(dict.fromkeys(("dense",) + tuple(modes)))  # dense is the baseline: always run, first
     for m in modes:
-        make_mode(m)  # validates the name
+        make_mode(m, **(mode_options or {}))  # validates the name and options
     torch_dtype = DTYPES[dtype]
 
     problems, n_problems = [], 0
@@ -318,21 +322,23 @@ def verify_packs(
         for name, dt in runs:
             m = models[dt]
             mode = make_mode("dense" if name == "reference" else name,
-                             attention=None if name in ("dense", "reference") else attention)
+                             attention=None if name in ("dense", "reference") else attention,
+                             **(mode_options or {}))
             m.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             try:
                 out = mode(m, pack, row, objective, totals)
-                out.loss.backward()
+                out.backward()
             except (TreepackError, ValueError, RuntimeError, IndexError) as exc:
                 if name in reports and reports[name].error is None:
                     reports[name].error = f"pack {i}: {exc}"
                 results[name] = None
             else:
-                results[name] = (float(out.loss), out.logp_R.double(), _grads(m))
+                results[name] = (out.loss.item(), out.logp_R.double(), _grads(m))
                 if name in reports:
-                    reports[name].loss += float(out.loss)
+                    reports[name].loss += out.loss.item()
                     reports[name].forward_tokens += out.forward_tokens
+                    reports[name].work = merge_work(reports[name].work, out.metrics)
             if name in reports:
                 reports[name].seconds += time.perf_counter() - t0
             done += 1
@@ -343,8 +349,8 @@ def verify_packs(
             res, rep = results.get(name), reports[name]
             if res is None or dense is None or name == "dense":
                 continue
-            rep.max_logprob_diff = max(rep.max_logprob_diff, float((res[1] - dense[1]).abs().max(initial=0.0))
-                                       if res[1].numel() else 0.0)
+            if res[1].numel():
+                rep.max_logprob_diff = max(rep.max_logprob_diff, float((res[1] - dense[1]).abs().max()))
             for pname, g in res[2].items():
                 gd = dense[2][pname].double()
                 diff = (g.double() - gd).abs()

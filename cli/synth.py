@@ -1,0 +1,89 @@
+"""``treepack synth``: write seeded synthetic rollouts with the tree shapes of real RL workloads.
+
+Thin: options become a ``SynthConfig`` (``treepack.datasets.synth``), which streams record batches to
+the file; a progress bar on a terminal, then one summary line on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from typing import List, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from treepack.cli.common import err_console, handle_errors
+from treepack.datasets import synth as lib
+from treepack.sizes import parse_size
+
+
+class Kind(str, Enum):
+    tau2 = "tau2"
+    grpo_math = "grpo-math"
+    agentic_think = "agentic-think"
+    low_overlap = "low-overlap"
+
+
+def _settings(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise typer.BadParameter(f"expected key=value, got {pair!r}", param_hint="--set")
+        out[key.strip()] = value.strip()
+    return out
+
+
+@handle_errors
+def synth(
+    kind: Kind = typer.Argument(..., help="Shape preset (module docs of treepack.datasets.synth).", show_default=False),
+    output: str = typer.Option(..., "-o", "--output", help="Output: .jsonl, .jsonl.gz, .parquet; - = JSONL to stdout."),
+    n: int = typer.Option(8, "-n", "--trees", min=1, help="Trees: tasks (prompts), each a group of samples."),
+    seed: int = typer.Option(0, "--seed", help="Random seed: the same seed gives the same bytes."),
+    think: Optional[bool] = typer.Option(
+        None, "--think/--no-think", show_default=False,
+        help="Open each turn with <think>...</think>, dropped from later turns' context [default: per kind].",
+    ),
+    logprobs: bool = typer.Option(False, "--logprobs", help="Add per-token behaviour log-probs."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Add a step column: K consecutive steps."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", "-g", min=1, help="Samples per task (GRPO group)."),
+    turns: Optional[float] = typer.Option(None, "--turns", min=1, help="Median assistant turns per sample."),
+    system_tokens: Optional[int] = typer.Option(None, "--system-tokens", min=0, help="Shared system prompt; 0 = none."),
+    max_len: Optional[str] = typer.Option(None, "--max-len", help="Context limit, e.g. 16K: branches end before it."),
+    vocab: Optional[int] = typer.Option(None, "--vocab", min=64, help="Vocabulary size [default: Qwen3's 151669]."),
+    settings: Optional[List[str]] = typer.Option(
+        None, "--set", help="Any config field as key=value, e.g. --set response.median=120 --set fork_prob=0.2."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, no summary line."),
+) -> None:
+    """Write synthetic rollouts (one record per assistant turn) with realistic prefix-tree shapes."""
+    cfg = lib.preset(kind.value)
+    overrides: dict[str, object] = {"logprobs": logprobs, "steps": steps}
+    for name, value in (("think", think), ("group_size", group_size), ("system_tokens", system_tokens), ("vocab", vocab)):
+        if value is not None:
+            overrides[name] = value
+    if turns is not None:
+        overrides["turns"] = cfg.turns.with_median(turns)
+    if max_len is not None:
+        overrides["max_len"] = parse_size(max_len, what="--max-len")
+    cfg = lib.configure(lib.configure(cfg, overrides), _settings(settings or []))
+
+    show_bar = not quiet and output != "-" and err_console.is_terminal
+    with Progress(TextColumn(f"synth {kind.value}"), BarColumn(), MofNCompleteColumn(), TextColumn("trees"),
+                  TimeRemainingColumn(), console=err_console, transient=True, disable=not show_bar) as bar:
+        task = bar.add_task("trees", total=n)
+        res = lib.write(cfg, n, output, seed=seed, progress=lambda done: bar.update(task, completed=done))
+    if not quiet:
+        where = "stdout" if output == "-" else output
+        rate = res.tokens / max(res.seconds, 1e-9)
+        sys.stderr.write(f"synth {kind.value}: {res.trees:,} trees, {res.records:,} records, {res.tokens:,} tokens "
+                         f"-> {where} ({res.seconds:.1f} s, {_si(rate)} tokens/s)\n")
+
+
+def _si(x: float) -> str:
+    """1234567 -> '1.2M', 45600 -> '45.6k'."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"

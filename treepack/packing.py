@@ -1,0 +1,835 @@
+"""Packing: cut each global batch's prefix trees into packs of at most ``capacity`` trie tokens, repeating
+as few shared-prefix tokens as possible (N_pack -> N_tree, so ERR -> POR).
+
+Legend: n = sequences, V = compressed trie nodes, P = packs, C = capacity (tokens). Sequences are named by
+their *rank* i in the PrefixTree's lexicographic order, which is a DFS leaf order of the trie.
+
+The cost of a pack is the size of the union trie of its sequences, and the total is
+``N_pack = sum over nodes v of len(v) x (packs that touch v's subtree)``. Two facts make it cheap to work with:
+- LCP of ranks r < s is ``min(lcp[r+1..s])`` (a sparse table answers it in O(1), vectorised), so the cost
+  of any pack is ``sum L - sum LCP(consecutive members by rank)`` (``pack_tokens``);
+- in any DFS leaf order (children of each node permuted at will, a subtree's sequences contiguous) a
+  contiguous group [a..b] costs ``lcp_a + sum_{k=a..b} (L_k - lcp_k)``, lcp taken with the previous
+  sequence *in that order*: so cutting the order into groups costs ``N_tree + sum of lcp at the cuts``.
+
+Strategies (all on the same tree; packs never cross a ``step``, sharing never crosses a scope):
+- ``first-fit``: AReaL's production packer (``_greedy_build_tries``): sequences in input order, each into
+  the first pack whose trie it fits (``load + L - maxLCP(s, pack) <= C``), else a new pack. Reproduced
+  exactly (tests compare pack for pack with a port of AReaL's dict trie) without its O(n x P) trie walks:
+  the packs that share more than the batch-wide header with ``s`` are those present in the subtrees of
+  ``s``'s ancestors, kept as sets per node; all the others are one vectorised ``argmax`` over pack loads.
+- ``dfs``: Tree Training's heuristic (§3.3): children visited deepest leaf first (similar depths stay
+  together), one DFS traversal, a new pack whenever the next sequence would overflow.
+- ``optimal``: Tree Training Appendix A.2's multi-path DP, made exact: per node, the Pareto set of
+  multisets of per-pack loads (a pack's tokens inside the subtree), combined child by child (each child
+  pack joins a different parent pack or opens one), pruned by dominance. Exponential: refused above
+  ``OPTIMAL_MAX_SEQUENCES`` sequences per step (see its comment for the measured times).
+- ``best`` (default): for several child orders of the trie (lexicographic, subtree size descending and
+  ascending, deepest leaf first, AReaL-DTA Algorithm 1's tail order, and the order that lists the
+  bottom-up best-fit-decreasing bins of every node one after another), the *optimal* contiguous cut of
+  that order by dynamic programming (``f[b] = min f[a-1] + lcp_a`` over feasible groups [a..b]; feasibility
+  is monotone in b, so a lazy-deletion heap makes it O(n log n)); plus the bottom-up bin packing itself
+  (non-contiguous packs: pieces of two subtrees may share two packs), first-fit, dfs, and ``optimal``
+  where a step is tiny; then merges packs pairwise where the union fits. Per step it keeps the cheapest,
+  so it is never worse than any of them, by construction.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from treepack.errors import CapacityError, TreepackError
+from treepack.rollouts import Rollouts
+from treepack.tree import PrefixTree, scope_codes
+
+STRATEGIES = ("best", "first-fit", "dfs", "optimal")
+OVERSIZE = ("error", "skip")
+# The exact DP's state space grows exponentially: measured on random trees at tight capacities (2 cores),
+# 10 sequences per step take <= 0.05 s, 14 <= 1 s, 16 up to several seconds. Above this it is refused.
+OPTIMAL_MAX_SEQUENCES = 64
+OPTIMAL_MAX_STATES = 200_000  # safety net inside the DP (a step of <= 16 sequences stays far below)
+BEST_OPTIMAL_MAX_SEQUENCES = 10  # `best` also runs the exact DP on steps this small (<= ~50 ms each)
+
+
+@dataclass
+class Packing:
+    """The result of packing: which input sequences go together, and what it costs."""
+
+    strategy: str
+    capacity: int
+    packs: list[np.ndarray]  # each: int64 input-sequence indices (into the Rollouts) of one pack, in DFS order
+    pack_tokens: np.ndarray  # int64 [n_packs] tokens of each pack's union sub-trie (scopes kept apart)
+    n_flat_tokens: int  # tokens of the packed sequences (what dense training computes)
+    seconds: float  # wall time of the packing (tree build excluded when a tree was given)
+    n_oversize_skipped: int = 0  # sequences longer than the capacity, dropped with oversize="skip"
+    n_tree_tokens: int = 0  # tokens of the whole trie of the packed sequences (N_tree: the lower bound)
+    pack_steps: np.ndarray | None = None  # int64 [n_packs] the step of each pack's sequences (None: no steps)
+    oversize_skipped: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their input indices
+    details: dict = field(default_factory=dict)  # `best`: N_pack of every candidate it tried, and the winner
+
+    @property
+    def n_packs(self) -> int:
+        return len(self.packs)
+
+    @property
+    def n_pack_tokens(self) -> int:
+        return int(self.pack_tokens.sum())
+
+    @property
+    def err(self) -> float:
+        """Effective reuse ratio: 1 - N_pack / N_flat."""
+        return 1.0 - self.n_pack_tokens / self.n_flat_tokens if self.n_flat_tokens else 0.0
+
+    @property
+    def por(self) -> float:
+        """Potential overlap ratio of the packed sequences: 1 - N_tree / N_flat (ERR's upper bound)."""
+        return 1.0 - self.n_tree_tokens / self.n_flat_tokens if self.n_flat_tokens else 0.0
+
+
+def describe_sequence(r: Rollouts, i: int) -> str:
+    """``file: sequence id 'x' (record 17)``: where input sequence ``i`` came from (record: 0-based, in its file)."""
+    base = 0
+    for src in r.sources:
+        if i < base + src.n_records:
+            name = "<stdin>" if src.path == "-" else src.path
+            return f"{name}: sequence id {r.ids[i]!r} (record {i - base})"
+        base += src.n_records
+    return f"sequence id {r.ids[i]!r} (record {i})"
+
+
+def pack_sequences(
+    rollouts: Rollouts,
+    capacity: int,
+    *,
+    strategy: str = "best",
+    group_by: str | None = None,
+    oversize: str = "error",
+    tree: PrefixTree | None = None,
+) -> Packing:
+    """Pack every sequence of ``rollouts`` into packs whose union trie has at most ``capacity`` tokens.
+
+    ``group_by="tree_id"`` keeps each tree_id its own trie (no sharing across groups); sharing never crosses
+    a ``step`` and neither do packs. ``oversize``: a sequence longer than ``capacity`` raises
+    ``CapacityError`` naming it (``"error"``) or is left out and counted (``"skip"``). ``tree`` reuses a
+    PrefixTree already built from the same rollouts and ``group_by``.
+    """
+    if strategy not in STRATEGIES:
+        raise TreepackError(f"unknown packing strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
+    if oversize not in OVERSIZE:
+        raise TreepackError(f"oversize must be 'error' or 'skip', got {oversize!r}")
+    capacity = int(capacity)
+    if capacity <= 0:
+        raise TreepackError(f"capacity must be positive, got {capacity}")
+    t0 = time.perf_counter()
+    n = len(rollouts)
+    lengths = rollouts.lengths
+    too_long = np.flatnonzero(lengths > capacity)
+    keep = None
+    if len(too_long):
+        if oversize == "error":
+            i = int(too_long[0])
+            raise CapacityError(
+                f"{describe_sequence(rollouts, i)} has {int(lengths[i]):,} tokens > capacity {capacity:,}; "
+                "use --oversize skip to drop such sequences"
+            )
+        keep = np.setdiff1d(np.arange(n, dtype=np.int64), too_long)
+        rollouts = rollouts.select(keep)
+        tree = None
+    scope, _ = scope_codes(rollouts, group_by)
+    batch_in = np.zeros(len(rollouts), np.int64) if rollouts.steps is None else rollouts.steps
+    if tree is None or tree.n_sequences != len(rollouts) or not _batches_contiguous(batch_in[tree.order]):
+        tree = PrefixTree.from_arrays(rollouts.tokens, rollouts.offsets, scope)
+        t0 = time.perf_counter() if keep is None else t0
+    forest = _Forest(tree, batch_in[tree.order], capacity)
+    if forest.n == 0:
+        labels, details = np.zeros(0, np.int64), {}
+    elif strategy == "first-fit":
+        labels, details = first_fit_labels(forest), {}
+    elif strategy == "dfs":
+        labels, details = dfs_labels(forest), {}
+    elif strategy == "optimal":
+        labels, details = optimal_labels(forest), {}
+    else:
+        labels, details = best_labels(forest)
+    packs_sorted, pack_tokens = forest.packs_of(labels)
+    to_input = tree.order if keep is None else keep[tree.order]
+    packs = [to_input[p] for p in packs_sorted]
+    pack_steps = None
+    if rollouts.steps is not None and len(packs_sorted):
+        pack_steps = np.asarray([int(batch_in[tree.order[p[0]]]) for p in packs_sorted], dtype=np.int64)
+    return Packing(
+        strategy=strategy,
+        capacity=capacity,
+        packs=packs,
+        pack_tokens=pack_tokens,
+        n_flat_tokens=int(tree.n_flat_tokens),
+        seconds=time.perf_counter() - t0,
+        n_oversize_skipped=len(too_long),
+        n_tree_tokens=int(tree.n_tree_tokens),
+        pack_steps=pack_steps,
+        oversize_skipped=too_long.astype(np.int64),
+        details=details,
+    )
+
+
+def _batches_contiguous(batch: np.ndarray) -> bool:
+    return bool(np.all(batch[1:] >= batch[:-1])) if len(batch) > 1 else True
+
+
+# --------------------------------------------------------------------------------------------------
+# The forest: ranks, LCP queries, nodes, and the exact cost of any packing
+
+
+class _SparseTable:
+    """Range minimum (or maximum) of a fixed int array in O(1) per query, vectorised over queries."""
+
+    def __init__(self, a: np.ndarray, op: Callable = np.minimum):
+        a = np.asarray(a, dtype=np.int64)
+        self.op = op
+        self.levels = [a]
+        k = 1
+        while 2 * k <= len(a):
+            prev = self.levels[-1]
+            self.levels.append(op(prev[:-k], prev[k:]))
+            k *= 2
+
+    def query(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """op over ``a[lo:hi]`` for each pair (hi > lo)."""
+        lo = np.asarray(lo, dtype=np.int64)
+        hi = np.asarray(hi, dtype=np.int64)
+        span = hi - lo
+        k = np.zeros(len(span), dtype=np.int64)
+        if len(span):
+            k = np.floor(np.log2(np.maximum(span, 1))).astype(np.int64)
+            k[(1 << k) > span] -= 1  # float rounding guard
+        out = np.empty(len(span), dtype=np.int64)
+        for level in np.unique(k):
+            sel = k == level
+            tab = self.levels[int(level)]
+            out[sel] = self.op(tab[lo[sel]], tab[hi[sel] - (1 << int(level))])
+        return out
+
+
+class _Forest:
+    """A PrefixTree seen by the packers: ranks, batches (steps), LCP of any two ranks, node paths."""
+
+    def __init__(self, tree: PrefixTree, batch: np.ndarray, capacity: int):
+        self.t = tree
+        self.C = int(capacity)
+        self.n = tree.n_sequences
+        self.L = tree.lengths
+        self.lcp = tree.lcp
+        _, self.batch = np.unique(batch, return_inverse=True) if self.n else (None, np.zeros(0, np.int64))
+        self.batch = self.batch.reshape(-1).astype(np.int64)
+        self.batch_bounds = np.flatnonzero(np.r_[True, self.batch[1:] != self.batch[:-1], True]) if self.n else np.zeros(1, np.int64)
+        self._rmq: _SparseTable | None = None
+
+    # ---------------------------------------------------------------- LCP and costs
+
+    @property
+    def rmq(self) -> _SparseTable:
+        if self._rmq is None:
+            self._rmq = _SparseTable(self.lcp)
+        return self._rmq
+
+    def lcp_of(self, r: np.ndarray, s: np.ndarray) -> np.ndarray:
+        """LCP of the sequences of ranks r and s (elementwise; r != s); 0 across scopes."""
+        r = np.asarray(r, dtype=np.int64)
+        s = np.asarray(s, dtype=np.int64)
+        lo, hi = np.minimum(r, s), np.maximum(r, s)
+        out = np.empty(len(r), dtype=np.int64)
+        adj = hi == lo + 1
+        out[adj] = self.lcp[hi[adj]]
+        far = ~adj
+        if far.any():
+            out[far] = self.rmq.query(lo[far] + 1, hi[far] + 1)
+        return out
+
+    def order_lcp(self, perm: np.ndarray) -> np.ndarray:
+        """LCP of each sequence of an order with the previous one (0 at the start of a batch)."""
+        out = np.zeros(len(perm), dtype=np.int64)
+        if len(perm) > 1:
+            out[1:] = self.lcp_of(perm[:-1], perm[1:])
+            out[1:][self.batch[perm[1:]] != self.batch[perm[:-1]]] = 0
+        return out
+
+    def packs_of(self, labels: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """(ranks of each pack in DFS order, exact union-trie tokens of each pack); checks the capacity."""
+        if self.n == 0:
+            return [], np.zeros(0, np.int64)
+        labels = np.asarray(labels, dtype=np.int64)
+        if len(labels) != self.n or labels.min() < 0:
+            raise AssertionError("every sequence must be in exactly one pack")
+        idx = np.lexsort((np.arange(self.n), labels))
+        lab = labels[idx]
+        n_packs = int(lab[-1]) + 1
+        shared = np.zeros(self.n, dtype=np.int64)
+        same = lab[1:] == lab[:-1]
+        if same.any():
+            shared[1:][same] = self.lcp_of(idx[:-1][same], idx[1:][same])
+        tokens = np.bincount(lab, weights=self.L[idx] - shared, minlength=n_packs).astype(np.int64)
+        bounds = np.searchsorted(lab, np.arange(n_packs + 1))
+        if np.any(bounds[1:] == bounds[:-1]):
+            raise AssertionError("pack labels must be 0..P-1 with no empty pack")
+        if tokens.max() > self.C:
+            raise AssertionError(f"a pack has {int(tokens.max())} tokens > capacity {self.C}")
+        if np.any(self.batch[idx][1:][same] != self.batch[idx][:-1][same]):
+            raise AssertionError("a pack crosses a step")
+        return [idx[bounds[p] : bounds[p + 1]] for p in range(n_packs)], tokens
+
+    def cost(self, labels: np.ndarray) -> np.ndarray:
+        """Union-trie tokens per batch (int64 [n_batches]) of a labelling (no capacity check)."""
+        idx = np.lexsort((np.arange(self.n), labels))
+        lab = labels[idx]
+        shared = np.zeros(self.n, dtype=np.int64)
+        same = lab[1:] == lab[:-1]
+        shared[1:][same] = self.lcp_of(idx[:-1][same], idx[1:][same])
+        return np.bincount(self.batch[idx], weights=self.L[idx] - shared).astype(np.int64)
+
+    # ---------------------------------------------------------------- nodes
+
+    @property
+    def end_node(self) -> np.ndarray:
+        """int64 [n] the node holding each sequence's last token (sequences end at node ends)."""
+        if not hasattr(self, "_end_node"):
+            self._end_node = np.searchsorted(self.t.node_start, self.t.seq_end_token, side="right") - 1
+        return self._end_node
+
+    @property
+    def end_depth(self) -> np.ndarray:
+        """int64 [V] depth just below each node: tokens on the path from the root through the node."""
+        return self.t.node_depth + self.t.node_len
+
+    def node_batch(self) -> np.ndarray:
+        return self.batch[self.t.node_seq]
+
+    def subtree_end_node(self) -> np.ndarray:
+        """int64 [V] exclusive end of each node's subtree in node (preorder) indices."""
+        return np.searchsorted(self.t.node_start, self.t.node_end, side="left")
+
+    def dfs_order(self, key: np.ndarray) -> np.ndarray:
+        """A DFS leaf order with each node's children (and each batch's roots) sorted by ``key`` ascending.
+
+        Ties keep the lexicographic order; sequences ending at a node come before its children. The
+        position of a node is the sum, over its ancestors and itself, of what precedes it among its
+        siblings: a difference array over preorder subtree ranges, so everything is vectorised.
+        """
+        t = self.t
+        V = t.n_nodes
+        parent = t.node_parent
+        count = t.node_count
+        ends_at = np.bincount(self.end_node, minlength=V)
+        roots = parent < 0
+        group = np.where(roots, -1 - self.node_batch(), parent)
+        order = np.lexsort((np.arange(V), key, group))
+        g = group[order]
+        c = count[order]
+        csum = np.cumsum(c) - c
+        first = np.r_[True, g[1:] != g[:-1]]
+        start_of_group = np.maximum.accumulate(np.where(first, np.arange(V), 0))
+        off = np.empty(V, dtype=np.int64)
+        off[order] = csum - csum[start_of_group]
+        batch_first = self.batch_bounds[:-1]
+        base = np.where(roots, batch_first[self.node_batch()], ends_at[np.maximum(parent, 0)])
+        local = base + off
+        sub_end = self.subtree_end_node()
+        diff = np.bincount(np.arange(V), weights=local, minlength=V + 1) - np.bincount(sub_end, weights=local, minlength=V + 1)
+        pos = np.cumsum(diff)[:V].astype(np.int64)
+        en = self.end_node
+        seq_pos = pos[en] + (np.arange(self.n) - np.searchsorted(en, en, side="left"))
+        perm = np.empty(self.n, dtype=np.int64)
+        perm[seq_pos] = np.arange(self.n)
+        return perm
+
+    def subtree_max_length(self) -> np.ndarray:
+        """int64 [V] longest sequence in each node's subtree (its deepest leaf)."""
+        lo = self.t.node_seq
+        return _SparseTable(self.L, np.maximum).query(lo, lo + self.t.node_count)
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in range(self.t.n_nodes)]
+        for v, p in enumerate(self.t.node_parent.tolist()):
+            if p >= 0:
+                kids[p].append(v)
+        return kids
+
+
+# --------------------------------------------------------------------------------------------------
+# first-fit (AReaL)
+
+
+def first_fit_labels(f: _Forest, input_order: np.ndarray | None = None) -> np.ndarray:
+    """AReaL's greedy trie packing, exactly: each sequence (in input order) into the first pack it fits."""
+    t = f.t
+    C = f.C
+    if input_order is None:
+        input_order = np.argsort(t.order, kind="stable")  # rank of input 0, 1, 2, ...
+    parent = t.node_parent.tolist()
+    end_depth = f.end_depth.tolist()
+    end_node = f.end_node.tolist()
+    L = f.L.tolist()
+    batch = f.batch.tolist()
+    n_batches = len(f.batch_bounds) - 1
+    present: list[set | None] = [None] * t.n_nodes
+    loads = [np.zeros(f.batch_bounds[b + 1] - f.batch_bounds[b], dtype=np.int64) for b in range(n_batches)]
+    n_packs = [0] * n_batches
+    local = np.empty(f.n, dtype=np.int64)
+    empty: set = set()
+    for i in input_order.tolist():
+        b = batch[i]
+        P = n_packs[b]
+        load = loads[b]
+        Li = L[i]
+        path = []
+        v = end_node[i]
+        while v >= 0:
+            path.append(v)
+            v = parent[v]
+        path.reverse()
+        best = P
+        if P:
+            j0 = -1
+            while j0 + 1 < len(path) and len(present[path[j0 + 1]] or empty) == P:
+                j0 += 1
+            thr = C - Li + (end_depth[path[j0]] if j0 >= 0 else 0)
+            hit = load[:P] <= thr
+            k = int(hit.argmax())
+            if hit[k]:
+                best = k
+            seen_size = 0
+            for j in range(len(path) - 1, j0, -1):
+                s = present[path[j]]
+                if not s or len(s) == seen_size:
+                    continue
+                seen_size = len(s)
+                thr = C - Li + end_depth[path[j]]
+                if len(s) > 64:
+                    arr = np.fromiter(s, dtype=np.int64, count=len(s))
+                    ok = arr[(arr < best) & (load[arr] <= thr)]
+                    if len(ok):
+                        best = int(ok.min())
+                else:
+                    for p in s:
+                        if p < best and load[p] <= thr:
+                            best = p
+        if best == P:
+            n_packs[b] = P + 1
+            load[best] = Li
+        else:
+            shared = 0
+            for v in reversed(path):  # deepest ancestor whose subtree the pack already touches
+                if present[v] is not None and best in present[v]:
+                    shared = end_depth[v]
+                    break
+            load[best] += Li - shared
+        local[i] = best
+        for v in reversed(path):
+            s = present[v]
+            if s is None:
+                present[v] = {best}
+            elif best in s:
+                break
+            else:
+                s.add(best)
+    return _globalize(f, local, n_packs)
+
+
+def _globalize(f: _Forest, local: np.ndarray, n_packs: list[int]) -> np.ndarray:
+    """Per-batch pack numbers -> global ones (batches in order)."""
+    offset = np.cumsum([0] + n_packs[:-1])
+    return local + np.asarray(offset, dtype=np.int64)[f.batch]
+
+
+# --------------------------------------------------------------------------------------------------
+# dfs (Tree Training) and contiguous cuts of an order
+
+
+def dfs_order_deepest_first(f: _Forest) -> np.ndarray:
+    """Tree Training's traversal: children with the deepest leaf first (so similar depths stay together)."""
+    return f.dfs_order(-f.subtree_max_length())
+
+
+def dfs_labels(f: _Forest) -> np.ndarray:
+    """Tree Training's packing: one DFS traversal, a new pack whenever the next sequence would overflow."""
+    perm = dfs_order_deepest_first(f)
+    return next_fit(f, perm)
+
+
+def next_fit(f: _Forest, perm: np.ndarray) -> np.ndarray:
+    """Greedy cut of an order: close the pack when the next sequence's new tokens do not fit."""
+    add = (f.L[perm] - f.order_lcp(perm)).tolist()
+    full = f.L[perm].tolist()
+    b = f.batch[perm].tolist()
+    C = f.C
+    out = np.empty(f.n, dtype=np.int64)
+    pack = -1
+    load = 0
+    prev_b = -1
+    lab = out.tolist()
+    for k in range(len(add)):
+        if b[k] != prev_b or load + add[k] > C:
+            pack += 1
+            load = full[k]
+            prev_b = b[k]
+        else:
+            load += add[k]
+        lab[k] = pack
+    out[perm] = lab
+    return out
+
+
+def contiguous_cut(f: _Forest, perm: np.ndarray) -> np.ndarray:
+    """The optimal cut of an order into contiguous packs: min sum of lcp at pack starts (ties: fewer packs).
+
+    f[b] = min over a of f[a-1] + lcp_a, over a with lcp_a + sum_{k=a..b} add_k <= C, i.e. with
+    g(a) = D(a) - L_a >= D(b) - C (D = prefix sums of add = L - lcp). D(b) grows with b, so a start that
+    becomes infeasible stays so: a min-heap with lazy deletion gives O(n log n).
+    """
+    C = f.C
+    lcp = f.order_lcp(perm)
+    L = f.L[perm]
+    add = L - lcp
+    D = np.cumsum(add)
+    g = (D - L).tolist()
+    Dl = D.tolist()
+    lcpl = lcp.tolist()
+    bl = f.batch[perm].tolist()
+    n = len(perm)
+    choice = [0] * n
+    cost = [0] * (n + 1)  # cost[b+1]: best over the first b+1 sequences
+    npk = [0] * (n + 1)
+    heap: list[tuple[int, int, int]] = []
+    push, pop = heapq.heappush, heapq.heappop
+    prev_b = -1
+    for k in range(n):
+        if bl[k] != prev_b:  # packs never cross a batch
+            heap.clear()
+            prev_b = bl[k]
+        push(heap, (cost[k] + lcpl[k], npk[k] + 1, k))
+        lim = Dl[k] - C
+        while g[heap[0][2]] < lim:
+            pop(heap)
+        c, m, a = heap[0]
+        cost[k + 1] = c
+        npk[k + 1] = m
+        choice[k] = a
+    lab_sorted = np.empty(n, dtype=np.int64)
+    k = n - 1
+    groups = []
+    while k >= 0:
+        a = choice[k]
+        groups.append((a, k + 1))
+        k = a - 1
+    groups.reverse()
+    for p, (a, e) in enumerate(groups):
+        lab_sorted[a:e] = p
+    out = np.empty(n, dtype=np.int64)
+    out[perm] = lab_sorted
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# bottom-up best-fit decreasing (non-contiguous packs), and the child order it induces
+
+
+def bottom_up_labels(f: _Forest) -> tuple[np.ndarray, np.ndarray]:
+    """Bin packing at every node, leaves to roots: (labels, a child-order key for ``dfs_order``).
+
+    At node v the packs ("bins") of its children are items; best-fit decreasing groups them into as few
+    bins as fit ``C - depth(v) - len(v)``, and each bin then holds v's tokens once. Pieces of two subtrees
+    may so share two packs, which no contiguous cut of a DFS order can express. The key lists each
+    node's children in the order of the bins they joined (bins by creation, largest items first).
+    """
+    import bisect
+
+    t = f.t
+    C = f.C
+    V = t.n_nodes
+    parent = t.node_parent.tolist()
+    wlen = t.node_len.tolist()
+    end_depth = f.end_depth.tolist()
+    node_batch = f.node_batch().tolist()
+    en = f.end_node
+    ends_first = np.searchsorted(en, np.arange(V), side="left").tolist()
+    ends_last = np.searchsorted(en, np.arange(V), side="right").tolist()
+    pending: list[list] = [[] for _ in range(V)]
+    n_batches = len(f.batch_bounds) - 1
+    root_pending: list[list] = [[] for _ in range(n_batches)]
+    bin_parent: list[int] = []
+    seq_bin = np.empty(f.n, dtype=np.int64)
+    key = np.zeros(V, dtype=np.int64)
+
+    def best_fit(items: list, inner: int) -> list[list]:
+        """items: (load, bin id, node); returns bins [sum, [bin ids]] (largest items first)."""
+        items.sort(key=lambda it: -it[0])
+        bins: list[list] = []
+        residual: list[tuple[int, int]] = []  # sorted (residual, bin index)
+        for load, bid, node in items:
+            j = bisect.bisect_left(residual, (load, -1))
+            if j < len(residual):
+                r, k = residual.pop(j)
+                bins[k][0] += load
+                bins[k][1].append(bid)
+                bisect.insort(residual, (r - load, k))
+            else:
+                k = len(bins)
+                bins.append([load, [bid]])
+                bisect.insort(residual, (inner - load, k))
+            if node >= 0 and (key[node] == 0 or k + 1 < key[node]):
+                key[node] = k + 1
+        return bins
+
+    for v in range(V - 1, -1, -1):
+        items = pending[v]
+        w = wlen[v]
+        if items:
+            bins = best_fit(items, C - end_depth[v])
+        else:
+            bins = [[0, []]]
+        out = []
+        for load, members in bins:
+            bid = len(bin_parent)
+            bin_parent.append(-1)
+            for m in members:
+                bin_parent[m] = bid
+            out.append((load + w, bid, v))
+        a, e = ends_first[v], ends_last[v]
+        if e > a:
+            seq_bin[a:e] = out[0][1]
+        p = parent[v]
+        (pending[p] if p >= 0 else root_pending[node_batch[v]]).extend(out)
+        pending[v] = []
+    for b in range(n_batches):
+        for load, members in best_fit(root_pending[b], C):
+            bid = len(bin_parent)
+            bin_parent.append(-1)
+            for m in members:
+                bin_parent[m] = bid
+    top = np.empty(len(bin_parent), dtype=np.int64)
+    bp = bin_parent
+    for b in range(len(bp) - 1, -1, -1):
+        top[b] = b if bp[b] < 0 else top[bp[b]]
+    labels = _renumber(f, top[seq_bin])
+    return labels, key
+
+
+def _renumber(f: _Forest, labels: np.ndarray) -> np.ndarray:
+    """Pack ids 0..P-1 by first appearance in rank order (batches stay in order)."""
+    _, first, inv = np.unique(labels, return_index=True, return_inverse=True)
+    rank_of = np.empty(len(first), dtype=np.int64)
+    rank_of[np.argsort(first, kind="stable")] = np.arange(len(first))
+    return rank_of[inv.reshape(-1)]
+
+
+# --------------------------------------------------------------------------------------------------
+# optimal: Tree Training's multi-path DP (Appendix A.2), exact
+
+
+def optimal_labels(f: _Forest, max_sequences: int = OPTIMAL_MAX_SEQUENCES) -> np.ndarray:
+    """The minimum-N_pack packing, by the exact multi-path DP; refused on steps above ``max_sequences``."""
+    sizes = np.diff(f.batch_bounds)
+    if sizes.max(initial=0) > max_sequences:
+        raise TreepackError(
+            f"strategy 'optimal' is an exact exponential-time DP, limited to {max_sequences} sequences per step; "
+            f"this input has a step of {int(sizes.max()):,} sequences (use strategy 'best')"
+        )
+    upper = [_per_batch(f, lab)[0] for lab in (bottom_up_labels(f)[0], contiguous_cut(f, np.arange(f.n)))]
+    return _optimal_into(f, np.arange(len(sizes)), np.minimum(*upper), np.zeros(f.n, dtype=np.int64))
+
+
+def _optimal_into(f: _Forest, batches: np.ndarray, upper: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Replace the packs of ``batches`` in ``labels`` by optimal ones (``upper``: a known N_pack per batch)."""
+    labels = labels.copy()
+    fresh = int(labels.max(initial=-1)) + 1
+    kids = f.children()
+    nb = f.node_batch()
+    roots = np.flatnonzero(f.t.node_parent < 0)
+    for b in np.asarray(batches).tolist():
+        lo, hi = int(f.batch_bounds[b]), int(f.batch_bounds[b + 1])
+        n_tree = int(f.t.seg_start[hi] - f.t.seg_start[lo])
+        for members in _optimal_batch(f, kids, roots[nb[roots] == b].tolist(), int(upper[b]) - n_tree):
+            labels[list(members)] = fresh
+            fresh += 1
+    return _renumber(f, labels)
+
+
+def _optimal_batch(f: _Forest, kids: list[list[int]], roots: list[int], slack: int) -> list[tuple]:
+    """Packs (tuples of ranks) of one batch minimising the total union-trie tokens.
+
+    A state at node v is a tuple of bins (load, ranks), heaviest first: one bin per pack that touches v's
+    subtree, load = that pack's tokens inside the subtree. Branch and bound: a state whose repeated tokens
+    (sum of loads - tokens of the subtrees it covers) exceed ``slack`` (= a known N_pack - N_tree) is cut.
+    """
+    t = f.t
+    C = f.C
+    en = f.end_node
+    tokens = (t.node_end - t.node_start).tolist()
+    states: dict[int, list[tuple]] = {}
+    order: list[int] = []
+    stack = list(roots)
+    while stack:
+        v = stack.pop()
+        order.append(v)
+        stack.extend(kids[v])
+    n_states = 0
+    for v in reversed(order):  # children before parents
+        ends = tuple(np.flatnonzero(en == v).tolist())
+        w = int(t.node_len[v])
+        if not kids[v]:
+            states[v] = [((w, ends),)]
+            continue
+        inner = C - int(t.node_depth[v]) - w
+        partial = _combine_children([states.pop(c) for c in kids[v]], [tokens[c] for c in kids[v]], inner, slack)
+        done = []
+        for st in partial:
+            bins = [(load + w, seqs) for load, seqs in st]
+            bins[0] = (bins[0][0], bins[0][1] + ends)
+            done.append(tuple(bins))
+        states[v] = done
+        n_states += len(done)
+        if n_states > OPTIMAL_MAX_STATES:
+            raise TreepackError(
+                f"strategy 'optimal': more than {OPTIMAL_MAX_STATES:,} DP states; the tree is too large for the exact DP"
+            )
+    final = _combine_children([states.pop(r) for r in roots], [tokens[r] for r in roots], C, slack, last=True)
+    best = min(final, key=lambda st: (sum(b[0] for b in st), len(st)))
+    return [seqs for _, seqs in best]
+
+
+def _combine_children(child_states: list[list[tuple]], sizes: list[int], inner: int, slack: int,
+                      last: bool = False) -> list[tuple]:
+    """All Pareto-optimal ways to group the children's packs (one per child per parent pack) within ``inner``.
+
+    ``last``: only the cheapest grouping is wanted (the virtual root of a step).
+    """
+    partial: dict[tuple, tuple] = {(): ()}
+    covered = 0
+    for k, options in enumerate(child_states):
+        covered += sizes[k]
+        nxt: dict[tuple, tuple] = {}
+        for cur in partial.values():
+            for opt in options:
+                _assign(cur, opt, inner, nxt)
+        bound = covered + slack
+        nxt = {key: st for key, st in nxt.items() if sum(key) <= bound}
+        if last and k == len(child_states) - 1:
+            return [min(nxt.values(), key=lambda st: (sum(b[0] for b in st), len(st)))]
+        partial = _pareto(nxt)
+    return list(partial.values())
+def _assign(cur: tuple, items: tuple, inner: int, out: dict) -> None:
+    """Each item joins a different existing bin of ``cur`` (if it fits) or opens its own."""
+    bins = list(cur)
+    used = [False] * len(bins)
+    extra: list = []
+
+    def rec(k: int) -> None:
+        if k == len(items):
+            st = tuple(sorted(bins + extra, key=lambda b: -b[0]))
+            keyv = tuple(b[0] for b in st)
+            if keyv not in out:
+                out[keyv] = st
+            return
+        load, seqs = items[k]
+        tried: set = set()
+        for j, (bl, bs) in enumerate(bins):
+            if used[j] or bl in tried or bl + load > inner:
+                continue
+            tried.add(bl)
+            used[j] = True
+            bins[j] = (bl + load, bs + seqs)
+            rec(k + 1)
+            bins[j] = (bl, bs)
+            used[j] = False
+        extra.append(items[k])
+        rec(k + 1)
+        extra.pop()
+
+    rec(0)
+
+
+def _pareto(states: dict[tuple, tuple]) -> dict[tuple, tuple]:
+    """Drop states dominated by another: fewer (or as many) packs, each no heavier than its match."""
+    keys = sorted(states, key=lambda k: (len(k), sum(k)))
+    kept: list[tuple] = []
+    for k in keys:
+        if not any(len(a) <= len(k) and all(x <= y for x, y in zip(a, k)) for a in kept):
+            kept.append(k)
+    return {k: states[k] for k in kept}
+
+
+# --------------------------------------------------------------------------------------------------
+# best
+
+
+def areal_dta_key(f: _Forest) -> np.ndarray:
+    """AReaL-DTA Algorithm 1's child order: leaf children first, then by ``tail`` (the depth its order ends at)."""
+    t = f.t
+    parent = t.node_parent.tolist()
+    end_depth = f.end_depth.tolist()
+    V = t.n_nodes
+    big = int(f.L.max(initial=0)) + 1
+    first: list[int | None] = [None] * V  # min (internal, tail) over children, as internal * big + tail
+    key = [0] * V
+    for v in range(V - 1, -1, -1):
+        tail = end_depth[v] if first[v] is None else first[v] % big
+        key[v] = (0 if first[v] is None else big) + tail
+        p = parent[v]
+        if p >= 0 and (first[p] is None or key[v] < first[p]):
+            first[p] = key[v]
+    return np.asarray(key, dtype=np.int64)
+
+
+def candidate_orders(f: _Forest) -> dict[str, np.ndarray]:
+    """DFS leaf orders worth cutting: the child orders that decide which subtrees end up side by side."""
+    size = f.t.node_end - f.t.node_start
+    return {
+        "lexicographic": np.arange(f.n, dtype=np.int64),
+        "size-desc": f.dfs_order(-size),
+        "deepest-first": dfs_order_deepest_first(f),
+        "areal-dta": f.dfs_order(areal_dta_key(f)),
+    }
+
+
+def _per_batch(f: _Forest, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N_pack, packs) per batch of a labelling."""
+    nb = len(f.batch_bounds) - 1
+    uniq = np.unique(labels)
+    first_rank = np.full(int(labels.max()) + 1, -1, dtype=np.int64)
+    first_rank[labels[::-1]] = np.arange(f.n - 1, -1, -1)
+    packs = np.bincount(f.batch[first_rank[uniq]], minlength=nb)
+    return f.cost(labels), packs
+
+
+def best_labels(f: _Forest) -> tuple[np.ndarray, dict]:
+    """The cheapest, per step, of every candidate (see the module docstring); never worse than any of them."""
+    cands: dict[str, np.ndarray] = {}
+    for name, perm in candidate_orders(f).items():
+        cands[f"cut/{name}"] = contiguous_cut(f, perm)
+    bottom_up, key = bottom_up_labels(f)
+    cands["bottom-up"] = bottom_up
+    cands["cut/bins"] = contiguous_cut(f, f.dfs_order(key))
+    cands["first-fit"] = first_fit_labels(f)
+    cands["dfs"] = dfs_labels(f)
+    names = list(cands)
+    stats = [_per_batch(f, cands[k]) for k in names]
+    tokens = np.stack([s[0] for s in stats])
+    packs = np.stack([s[1] for s in stats])
+    pick = np.lexsort((packs, tokens), axis=0)[0]
+    combined = np.empty(f.n, dtype=np.int64)
+    for b in range(len(f.batch_bounds) - 1):
+        lo, hi = f.batch_bounds[b], f.batch_bounds[b + 1]
+        combined[lo:hi] = cands[names[pick[b]]][lo:hi]
+    labels = _renumber(f, f.batch * (f.n + 1) + combined)  # candidates' labels overlap: key by batch too
+    details = {"candidates": {k: int(tokens[i].sum()) for i, k in enumerate(names)}}
+    small = np.flatnonzero(np.diff(f.batch_bounds) <= BEST_OPTIMAL_MAX_SEQUENCES)
+    if len(small):
+        upper = tokens[pick, np.arange(tokens.shape[1])]
+        labels = _optimal_into(f, small, upper, labels)
+        details["optimal_steps"] = len(small)
+    details["chosen"] = {names[i]: int((pick == i).sum()) for i in np.unique(pick).tolist()}
+    return labels, details

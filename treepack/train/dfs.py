@@ -1,0 +1,651 @@
+"""DFS mode (docstring to come)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from treepack.errors import ConfigError
+from treepack.layout import Pack
+from treepack.train.losses import BatchTotals, LossRows, Objective, target_logprobs, token_weights_fast
+from treepack.train.model import KV, AttentionContext, Decoder
+from treepack.train.modes import LayoutError, Mode, ModeResult, _row_dtype
+
+ORDERS = ("backward", "layout")
+
+
+# --------------------------------------------------------------------------------------------------
+# The schedule (numpy only): which segments are forwarded, with or without grad, in which order
+
+
+@dataclass(frozen=True)
+class Step:
+    """One model call of the traversal over a chain of tokens at depths [lo, hi) of the current path."""
+
+    kind: str  # anchor | keep | grad | release (see STEP_KINDS)
+    lo: int  # depth of the first token: the segment attends to the cached path rows [0, lo)
+    tokens_C: np.ndarray  # int64 pack indices of the segment's tokens, root to leaf
+    kv_grad: bool  # grad/release: rows of the segment were cached, so later segments sent them dK/dV
+
+    @property
+    def hi(self) -> int:
+        return self.lo + int(self.tokens_C.shape[0])
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens_C.shape[0])
+
+
+STEP_KINDS = {
+    "anchor": "no-grad forward; caches the segment's K/V for the segments below it (AReaL-DTA's FWD-NoGrad)",
+    "keep": "forward with grad; caches K/V, attaches the segment's loss, keeps its graph until its release",
+    "grad": "forward with grad, attach loss, backward at once (with the dK/dV its rows received when cached)",
+    "release": "backward of a kept segment's graph with the dK/dV its rows received",
+}
+
+
+@dataclass
+class Schedule:
+    """The whole traversal of one pack, and its work and memory in tokens."""
+
+    steps: list[Step]
+    n_tokens: int  # tokens traversed (each is forwarded with grad exactly once)
+    n_pruned: int  # tokens left out: no loss term reads their hidden state or that of a descendant
+    max_depth: int  # longest root-to-leaf path = rows of the K/V cache
+    n_leaves: int  # tokens without children (the traversal visits one path per leaf)
+    block_size: int | None  # most tokens forwarded with grad in one call (None: unlimited)
+    keep_tokens: int  # most tokens of kept graphs alive at once (0: every shared segment is anchored)
+    order: str  # leaf order: backward (AReaL-DTA Algorithm 1) | layout (the pack's preorder)
+    peak_graph_tokens: int  # most tokens whose graph is alive at once (kept + the current call)
+
+    def tokens_of(self, *kinds: str) -> int:
+        return sum(s.n for s in self.steps if s.kind in kinds)
+
+    def count(self, *kinds: str) -> int:
+        return sum(1 for s in self.steps if s.kind in kinds)
+
+    @property
+    def grad_tokens(self) -> int:
+        """Tokens forwarded with grad (= n_tokens: each exactly once)."""
+        return self.tokens_of("grad", "keep")
+
+    @property
+    def anchor_tokens(self) -> int:
+        """Tokens forwarded without grad: the re-forward overhead."""
+        return self.tokens_of("anchor")
+
+
+@dataclass
+class _Nodes:
+    """Radix nodes of a pack: maximal chains whose inner tokens have exactly one child."""
+
+    start_N: np.ndarray  # int64 first token
+    end_N: np.ndarray  # int64 exclusive end (node tokens are the contiguous range [start, end))
+    parent_N: np.ndarray  # int64 parent node (-1 at a root)
+    depth_N: np.ndarray  # int64 depth of the first token
+    children: list[list[int]]
+    roots: list[int]
+
+    @property
+    def depth_end_N(self) -> np.ndarray:
+        return self.depth_N + (self.end_N - self.start_N)
+
+
+def tree_nodes(parent_T: np.ndarray) -> _Nodes:
+    """Split tokens (``parent[t] < t``) into radix nodes. A node starts at a root, at a token whose parent is
+    not the previous token, or at a child of a branch point; it is therefore a contiguous chain."""
+    parent_T = np.asarray(parent_T, dtype=np.int64)
+    T = parent_T.shape[0]
+    index_T = np.arange(T, dtype=np.int64)
+    has_parent_T = parent_T >= 0
+    if np.any(parent_T >= index_T):
+        t = int(np.argmax(parent_T >= index_T))
+        raise ValueError(f"parent must precede each token (DFS preorder); parent[{t}] = {int(parent_T[t])}")
+    n_children_T = np.bincount(parent_T[has_parent_T], minlength=T)
+    is_start_T = ~has_parent_T | (parent_T != index_T - 1)
+    is_start_T[has_parent_T] |= n_children_T[parent_T[has_parent_T]] >= 2
+    start_N = np.flatnonzero(is_start_T).astype(np.int64)
+    end_N = np.append(start_N[1:], T).astype(np.int64)
+    parent_tok_N = parent_T[start_N]
+    parent_N = np.where(parent_tok_N >= 0, np.searchsorted(start_N, parent_tok_N, side="right") - 1, -1)
+    N = start_N.shape[0]
+    depth_N = np.zeros(N, dtype=np.int64)
+    length = (end_N - start_N).tolist()
+    par, depth = parent_N.tolist(), [0] * N
+    children: list[list[int]] = [[] for _ in range(N)]
+    roots: list[int] = []
+    for n in range(N):  # parents precede children
+        p = par[n]
+        if p < 0:
+            roots.append(n)
+        else:
+            depth[n] = depth[p] + length[p]
+            children[p].append(n)
+    depth_N[:] = depth
+    return _Nodes(start_N, end_N, parent_N, depth_N, children, roots)
+
+
+def leaf_order(nodes: _Nodes, order: str = "backward") -> list[int]:
+    """Leaf nodes in traversal order.
+
+    ``layout``: the pack's DFS preorder. ``backward``: AReaL-DTA's Algorithm 1 — in postorder, sort each
+    node's children by (is internal, tail) ascending, where tail(leaf) = its depth and tail(v) = tail of v's
+    first child; the order is the reverse of the DFS leaf sequence under that child order. Reversing a DFS
+    leaf sequence equals a DFS whose every child list (the roots' included) is reversed, which is how it is
+    computed here: internal children first, longer tails first, leaf-only branches last.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    children = [list(c) for c in nodes.children]
+    roots = list(nodes.roots)
+    if order == "backward":
+        tail = nodes.depth_end_N.tolist()
+        key = lambda c: (bool(children[c]), tail[c])  # noqa: E731
+        for n in range(len(children) - 1, -1, -1):  # children have larger indices: reverse index = postorder
+            if children[n]:
+                children[n].sort(key=key)
+                tail[n] = tail[children[n][0]]
+                children[n].reverse()
+        roots.sort(key=key)
+        roots.reverse()
+    leaves: list[int] = []
+    stack = roots[::-1]
+    while stack:
+        n = stack.pop()
+        if children[n]:
+            stack.extend(reversed(children[n]))
+        else:
+            leaves.append(n)
+    return leaves
+
+
+def _chunks_right_to_left(lo: int, hi: int, block: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into ceil(len / block) near-equal pieces, rightmost first."""
+    if hi <= lo:
+        return []
+    m = -(-(hi - lo) // block)
+    bounds = [lo + (k * (hi - lo)) // m for k in range(m + 1)]
+    return [(bounds[k], bounds[k + 1]) for k in range(m - 1, -1, -1)]
+
+
+def _node_pieces(path: list[int], depth: list[int], depth_end: list[int], lo: int, hi: int,
+                 block: int) -> list[tuple[int, int]]:
+    """[lo, hi) of a path cut at radix-node boundaries (where later pop ranges may start) and into
+    pieces of at most ``block`` tokens, left to right."""
+    out = []
+    for n in path:
+        a, b = max(lo, depth[n]), min(hi, depth_end[n])
+        while a < b:
+            out.append((a, min(b, a + block)))
+            a = out[-1][1]
+    return out
+
+
+def live_tokens(parent_T: np.ndarray, needed_T: np.ndarray) -> np.ndarray:
+    """bool [T]: tokens whose subtree holds a needed token (the others change no loss and no gradient)."""
+    nodes = tree_nodes(parent_T)
+    T, N = int(parent_T.shape[0]), int(nodes.start_N.shape[0])
+    needed_idx = np.flatnonzero(needed_T)
+    last_N = np.full(N, -1, dtype=np.int64)
+    np.maximum.at(last_N, np.searchsorted(nodes.start_N, needed_idx, side="right") - 1, needed_idx)
+    live_end_N = np.where(last_N >= 0, last_N + 1, nodes.start_N)
+    start, end, parent_N = nodes.start_N.tolist(), nodes.end_N.tolist(), nodes.parent_N.tolist()
+    live_end = live_end_N.tolist()
+    child_live = [False] * N
+    for n in range(N - 1, -1, -1):  # children first
+        if child_live[n]:
+            live_end[n] = end[n]
+        if live_end[n] > start[n] and parent_N[n] >= 0:
+            child_live[parent_N[n]] = True
+    delta = np.zeros(T + 1, dtype=np.int64)
+    np.add.at(delta, nodes.start_N, 1)
+    np.add.at(delta, np.asarray(live_end, dtype=np.int64), -1)
+    return np.cumsum(delta[:T]) > 0
+
+
+def plan(parent_T: np.ndarray, *, needed_T: np.ndarray | None = None, block_size: int | None = 2048,
+         keep_tokens: int = 0, order: str = "backward") -> Schedule:
+    """The traversal of the tokens with parents ``parent_T`` (see `_plan`); with ``needed_T`` (bool [T]:
+    tokens whose hidden state a loss term reads) only over the `live_tokens`, e.g. never a leaf's last token."""
+    parent_T = np.asarray(parent_T, dtype=np.int64)
+    if needed_T is None:
+        return _plan(parent_T, block_size=block_size, keep_tokens=keep_tokens, order=order)
+    live_T = live_tokens(parent_T, np.asarray(needed_T, dtype=bool))
+    index_L = np.flatnonzero(live_T)
+    compact_T = np.cumsum(live_T) - 1
+    parent_L = parent_T[index_L]
+    parent_L = np.where(parent_L >= 0, compact_T[np.maximum(parent_L, 0)], -1)  # a live token's parent is live
+    sched = _plan(parent_L, block_size=block_size, keep_tokens=keep_tokens, order=order)
+    sched.steps = [dataclasses.replace(st, tokens_C=index_L[st.tokens_C]) for st in sched.steps]
+    sched.n_pruned = int(parent_T.shape[0] - index_L.shape[0])
+    return sched
+
+
+def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, order: str) -> Schedule:
+    """The traversal of a pack whose real tokens have parents ``parent_T`` (see the module doc).
+
+    Per leaf of the order, with ``lp`` / ``ln`` its longest common prefix (tokens) with the previous / next
+    leaf and ``n`` its depth:
+
+    1. push the shared part [lp, ln) that the next leaves read: whole-node pieces of at most
+       ``block_size`` tokens are *kept* (forward with grad, graph alive) while the kept tokens stay within
+       ``keep_tokens``; the rest is *anchored* (no-grad forward, K/V cached);
+    2. the *pop range* [ln, n) is finished (no later leaf passes there). Right to left: kept pieces are
+       *released* (backward of their graph); everything else is forwarded with grad and back-propagated
+       in calls of at most ``block_size`` tokens. The topmost call [s, n) is as large as the block allows,
+       so that the fewest of the leaf's fresh tokens need an anchor; tokens [lp, s) not kept are anchored
+       in step 1 (one no-grad call per leaf at most).
+    """
+    parent_T = np.asarray(parent_T, dtype=np.int64)
+    block = int(block_size) if block_size else 0
+    if block < 0 or keep_tokens < 0:
+        raise ValueError(f"block_size and keep_tokens must be >= 0, got {block_size} and {keep_tokens}")
+    limit = block or max(int(parent_T.shape[0]), 1)
+    nodes = tree_nodes(parent_T)
+    leaves = leaf_order(nodes, order)
+    start, depth, depth_end = nodes.start_N.tolist(), nodes.depth_N.tolist(), nodes.depth_end_N.tolist()
+    parent_N = nodes.parent_N.tolist()
+
+    def path_of(leaf: int) -> list[int]:
+        path = []
+        while leaf >= 0:
+            path.append(leaf)
+            leaf = parent_N[leaf]
+        return path[::-1]
+
+    def lcp(a: list[int], b: list[int]) -> int:
+        k = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            k += 1
+        return depth_end[a[k - 1]] if k else 0
+
+    def tokens(path: list[int], lo: int, hi: int) -> np.ndarray:
+        parts = []
+        for n in path:
+            a, b = max(lo, depth[n]), min(hi, depth_end[n])
+            if a < b:
+                parts.append(np.arange(start[n] + a - depth[n], start[n] + b - depth[n], dtype=np.int64))
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
+
+    steps: list[Step] = []
+    kept: list[tuple[int, int]] = []  # kept pieces on the stack, ascending
+    kept_alive = peak = 0
+    paths = [path_of(leaf) for leaf in leaves]
+    for i, path in enumerate(paths):
+        n = depth_end[path[-1]]
+        lp = lcp(paths[i - 1], path) if i > 0 else 0
+        ln = lcp(path, paths[i + 1]) if i + 1 < len(paths) else 0
+        anchored_from = lp
+        if ln > lp and keep_tokens:
+            for a, b in _node_pieces(path, depth, depth_end, lp, ln, limit):
+                if kept_alive + b - a > keep_tokens:
+                    break
+                steps.append(Step("keep", a, tokens(path, a, b), kv_grad=False))
+                kept.append((a, b))
+                kept_alive += b - a
+                peak = max(peak, kept_alive)
+                anchored_from = b
+        releases = [(a, b) for a, b in kept if a >= ln]
+        top = releases[-1][1] if releases else ln
+        fresh = max(lp, ln)  # [fresh, n): the leaf's own tokens, never forwarded yet
+        pop = n - top
+        s = n - min(limit, max(n - fresh, -(-pop // -(-pop // limit))))
+        if s > anchored_from:
+            steps.append(Step("anchor", anchored_from, tokens(path, anchored_from, s), kv_grad=False))
+        cached = max(lp, s)  # rows [0, cached) hold K/V now (s >= ln when ln > lp)
+        calls = [(s, n)] + _chunks_right_to_left(top, s, limit)
+        for a, b in calls:
+            steps.append(Step("grad", a, tokens(path, a, b), kv_grad=a < cached))
+            peak = max(peak, kept_alive + b - a)
+        below = top
+        for a, b in reversed(releases):
+            for x, y in _chunks_right_to_left(b, below, limit):
+                steps.append(Step("grad", x, tokens(path, x, y), kv_grad=True))
+                peak = max(peak, kept_alive + y - x)
+            steps.append(Step("release", a, tokens(path, a, b), kv_grad=True))
+            kept_alive -= b - a
+            below = a
+        for x, y in _chunks_right_to_left(ln, below, limit):
+            steps.append(Step("grad", x, tokens(path, x, y), kv_grad=True))
+            peak = max(peak, kept_alive + y - x)
+        kept = [(a, b) for a, b in kept if a < ln]
+    return Schedule(steps=steps, n_tokens=int(parent_T.shape[0]), n_pruned=0, max_depth=max(depth_end, default=0),
+                    n_leaves=len(leaves), block_size=block or None, keep_tokens=int(keep_tokens), order=order,
+                    peak_graph_tokens=peak)
+
+
+# --------------------------------------------------------------------------------------------------
+# Execution
+
+
+class _PathCache:
+    """Per-layer keys/values of the current path by depth, and the dK/dV its rows have received.
+
+    ``kv_2LPKE`` holds K/V in the model's compute dtype; ``grad_2LPKE`` accumulates the gradients that
+    later segments send to cached rows, in float32 for 16-bit K/V (one rounding per row, as a dense
+    backward has, instead of one per reading segment). Segments read rows through ``.data``, an alias with
+    its own autograd version counter: a kept graph saves its prefix rows [0, lo), and later writes to
+    deeper rows (which it never reads) must not look like an in-place change of what it saved.
+    """
+
+    def __init__(self, n_layers: int, rows: int, k_TKE: Tensor) -> None:
+        _, K, E = k_TKE.shape
+        dt = k_TKE.dtype
+        self.kv_2LPKE = torch.empty(2, n_layers, rows, K, E, dtype=dt, device=k_TKE.device)
+        self._read = self.kv_2LPKE.data
+        acc = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        self.grad_2LPKE = torch.zeros(2, n_layers, rows, K, E, dtype=acc, device=k_TKE.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv_2LPKE.nbytes + self.grad_2LPKE.nbytes
+
+    def write(self, lo: int, kv: list[KV]) -> None:
+        with torch.no_grad():
+            for layer, (k_TKE, v_TKE) in enumerate(kv):
+                hi = lo + k_TKE.shape[0]
+                self.kv_2LPKE[0, layer, lo:hi].copy_(k_TKE)
+                self.kv_2LPKE[1, layer, lo:hi].copy_(v_TKE)
+
+    def prefix(self, lo: int, *, grad: bool) -> list[KV] | None:
+        """Rows [0, lo) per layer; with ``grad`` as leaves whose gradient is added into ``grad_2LPKE``."""
+        if lo == 0:
+            return None
+        if not grad:
+            return [(self._read[0, layer, :lo], self._read[1, layer, :lo]) for layer in range(self._read.shape[1])]
+        past = []
+        for layer in range(self._read.shape[1]):
+            pair = []
+            for j in (0, 1):
+                leaf_PKE = self._read[j, layer, :lo].detach().requires_grad_()
+                leaf_PKE.register_post_accumulate_grad_hook(self._accumulate(self.grad_2LPKE[j, layer, :lo]))
+                pair.append(leaf_PKE)
+            past.append((pair[0], pair[1]))
+        return past
+
+    @staticmethod
+    def _accumulate(into_PKE: Tensor):
+        def hook(leaf_PKE: Tensor) -> None:
+            into_PKE.add_(leaf_PKE.grad)
+            leaf_PKE.grad = None  # freed layer by layer as the backward proceeds
+
+        return hook
+
+    def outputs_and_grads(self, lo: int, kv: list[KV]) -> tuple[list[Tensor], list[Tensor]]:
+        """The segment's own K/V (with graph) and the dK/dV its rows [lo, hi) received."""
+        outs, grads = [], []
+        for layer, (k_TKE, v_TKE) in enumerate(kv):
+            hi = lo + k_TKE.shape[0]
+            outs += [k_TKE, v_TKE]
+            grads += [self.grad_2LPKE[0, layer, lo:hi].to(k_TKE.dtype), self.grad_2LPKE[1, layer, lo:hi].to(v_TKE.dtype)]
+        return outs, grads
+
+    def clear(self, lo: int, hi: int) -> None:
+        self.grad_2LPKE[:, :, lo:hi].zero_()
+
+
+class _Targets:
+    """Which log-probs the pack needs, which step computes each, and which loss rows read them (numpy).
+
+    A target token u's log-prob is read from the hidden state of ``parent[u]``, so it belongs to the one
+    with-grad step that forwards ``parent[u]``: every loss term is attached exactly once.
+    """
+
+    def __init__(self, pack: Pack, rows: LossRows, totals: BatchTotals, objective: Objective, fast: bool) -> None:
+        self.weight_U: np.ndarray | None = None  # float64 fast SFT path: loss = -sum_u w_u logp_u
+        if fast:
+            fast_U, fast_w_U = token_weights_fast(pack, rows, totals, objective.normalization)
+            token_U = np.union1d(fast_U, rows.token_R)
+            self.weight_U = np.zeros(token_U.shape[0], dtype=np.float64)
+            self.weight_U[np.searchsorted(token_U, fast_U)] = fast_w_U
+        else:
+            token_U = np.unique(rows.token_R)
+        self.token_U = token_U.astype(np.int64)  # pack tokens whose log-prob is needed, sorted
+        self.parent_U = np.asarray(pack.parent, dtype=np.int64)[self.token_U]
+        bad = (self.parent_U < 0) | (self.parent_U >= int(pack.n_real))
+        if bad.any():
+            u = int(np.argmax(bad))
+            raise LayoutError(f"pack token {int(self.token_U[u])} is a training target but its parent is "
+                              f"{int(self.parent_U[u])}")
+        self.row_u_R = np.searchsorted(self.token_U, rows.token_R).astype(np.int64)  # each row's target in U
+        self.local_U = np.zeros(0, dtype=np.int64)  # index of parent[u] inside its step (after `assign`)
+        self.u_of_step: dict[int, np.ndarray] = {}  # step index -> its U indices (ascending)
+        self.rows_of_step: dict[int, np.ndarray] = {}  # step index -> its loss rows (ascending)
+
+    def needed_T(self, n_tokens: int) -> np.ndarray:
+        """bool [T]: tokens whose hidden state a loss term reads."""
+        needed = np.zeros(n_tokens, dtype=bool)
+        needed[self.parent_U] = True
+        return needed
+
+    def assign(self, schedule: Schedule, n_real: int) -> None:
+        """Attach each target to the step that forwards its parent with grad."""
+        step_T = np.full(n_real, -1, dtype=np.int64)
+        local_T = np.zeros(n_real, dtype=np.int64)
+        for k, step in enumerate(schedule.steps):
+            if step.kind in ("grad", "keep"):
+                step_T[step.tokens_C] = k
+                local_T[step.tokens_C] = np.arange(step.n)
+        step_U = step_T[self.parent_U]
+        self.local_U = local_T[self.parent_U]
+        self.u_of_step = _group(step_U)
+        self.rows_of_step = _group(step_U[self.row_u_R])
+
+
+def _group(key_X: np.ndarray) -> dict[int, np.ndarray]:
+    """Indices of ``key_X`` grouped by value (each group ascending)."""
+    order = np.argsort(key_X, kind="stable")
+    keys, starts = np.unique(key_X[order], return_index=True)
+    bounds = np.append(starts, order.shape[0])
+    return {int(k): order[bounds[i] : bounds[i + 1]] for i, k in enumerate(keys.tolist())}
+
+
+class DfsMode(Mode):
+    """AReaL-DTA's depth-first traversal with a bounded graph; gradients equal ``dense`` (module doc).
+
+    The backward runs inside the call: the returned `ModeResult` has ``backward_done`` set and a
+    detached loss, so callers use ``result.backward()`` (a no-op here) whatever the mode.
+    """
+
+    name = "dfs"
+
+    def __init__(self, attention: str = "auto", *, chunk_rows: int = 4096, block_size: int | None = 2048,
+                 keep_tokens: int = 0, order: str = "backward", sft_fast_path: bool = True) -> None:
+        if attention == "sdpa":
+            raise ConfigError("attention 'sdpa' runs independent causal sequences; dfs mode needs a tree kernel "
+                              "(auto, reference, flex or triton) for its cached prefix")
+        if block_size is not None and block_size < 0:
+            raise ConfigError(f"dfs block size must be >= 0 (0: unlimited), got {block_size}")
+        if keep_tokens < 0:
+            raise ConfigError(f"dfs keep tokens must be >= 0, got {keep_tokens}")
+        if order not in ORDERS:
+            raise ConfigError(f"dfs order must be one of {', '.join(ORDERS)}, got {order!r}")
+        super().__init__(attention, chunk_rows=chunk_rows)
+        self.block_size = block_size or None
+        self.keep_tokens = keep_tokens
+        self.order = order
+        self.sft_fast_path = sft_fast_path
+
+    def schedule(self, pack: Pack, needed_T: np.ndarray | None = None) -> Schedule:
+        """The traversal of ``pack`` (numpy only; no model needed). ``needed_T`` (bool [T]): tokens whose
+        hidden state a loss term reads; the others' subtrees without any are pruned."""
+        try:
+            return plan(np.asarray(pack.parent[: pack.n_real]), needed_T=needed_T, block_size=self.block_size,
+                        keep_tokens=self.keep_tokens, order=self.order)
+        except ValueError as exc:
+            raise LayoutError(f"dfs: {exc}") from None
+
+    def __call__(self, model: Decoder, pack: Pack, rows: LossRows, objective: Objective,
+                 totals: BatchTotals) -> ModeResult:
+        return _Traversal(self, model, pack, rows, objective, totals).run()
+
+
+class _Traversal:
+    """One pack's DFS: runs the schedule's steps against the model, the path cache and the loss rows."""
+
+    def __init__(self, mode: DfsMode, model: Decoder, pack: Pack, rows: LossRows, objective: Objective,
+                 totals: BatchTotals) -> None:
+        self.mode, self.model, self.objective, self.rows = mode, model, objective, rows
+        self.dev = dev = model.device
+        fast = mode.sft_fast_path and objective.kind == "sft"
+        self.targets = _Targets(pack, rows, totals, objective, fast)
+        self.schedule = mode.schedule(pack, needed_T=self.targets.needed_T(int(pack.n_real)))
+        self.targets.assign(self.schedule, int(pack.n_real))
+        row_dtype = _row_dtype(model)
+        self.weight_U = None if not fast else torch.as_tensor(self.targets.weight_U, dtype=row_dtype, device=dev)
+        self.tensors = {} if fast else objective.row_tensors(rows, totals, device=dev, dtype=row_dtype)
+        self.ids_T = torch.as_tensor(np.asarray(pack.input_ids), dtype=torch.long, device=dev)
+        self.pos_T = torch.as_tensor(np.asarray(pack.position_ids), dtype=torch.long, device=dev)
+        self.logp_U = torch.zeros(self.targets.token_U.shape[0], dtype=row_dtype, device=dev)
+        self.loss = torch.zeros((), dtype=torch.float64, device=dev)
+        self.cache: _PathCache | None = None
+        self.kept: dict[int, tuple[Tensor | None, list[KV]]] = {}  # lo -> (loss, K/V) of a kept segment
+        self.contexts: dict[int, AttentionContext] = {}
+        self.work = {"grad_tokens": 0, "anchor_tokens": 0, "backward_tokens": 0, "skipped_tokens": 0,
+                     "model_calls": 0}
+        self.live = self.peak_live = 0  # tokens whose graph is alive (kept segments + the current call)
+
+    def run(self) -> ModeResult:
+        for k, step in enumerate(self.schedule.steps):
+            getattr(self, "_" + step.kind)(k, step)
+        targets, dev = self.targets, self.dev
+        logp_R = self.logp_U[torch.as_tensor(targets.row_u_R, device=dev)]
+        s = self.schedule
+        metrics = {
+            **self.work,
+            "anchor_share": self.work["anchor_tokens"] / max(self.work["grad_tokens"] + self.work["anchor_tokens"], 1),
+            "peak_graph_tokens": self.peak_live,
+            "kv_rows": s.max_depth,
+            "kv_cache_bytes": self.cache.nbytes if self.cache is not None else 0,
+            "leaves": s.n_leaves,
+            "pruned_tokens": s.n_pruned,
+        }
+        if dev.type == "cuda":
+            metrics["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(dev)
+        if self.objective.kind == "grpo":
+            metrics["clip_fraction"] = self.objective.clip_fraction(logp_R, self.tensors.get("behaviour_logp_R"))
+        return ModeResult(loss=self.loss, logp_R=logp_R, forward_tokens=self.work["grad_tokens"] +
+                          self.work["anchor_tokens"], metrics=metrics, backward_done=True)
+
+    # -- the four step kinds ------------------------------------------------------------------------
+
+    def _anchor(self, k: int, step: Step) -> None:
+        with torch.no_grad():
+            out = self._forward(step, grad=False, return_kv=True)
+        self._cache_for(out.kv).write(step.lo, out.kv)
+        self.work["anchor_tokens"] += step.n
+
+    def _keep(self, k: int, step: Step) -> None:
+        out = self._forward(step, grad=True, return_kv=True)
+        self._cache_for(out.kv).write(step.lo, out.kv)
+        self.kept[step.lo] = (self._step_loss(k, out.hidden_TD), out.kv)
+        self.work["grad_tokens"] += step.n
+        self.live += step.n
+        self.peak_live = max(self.peak_live, self.live)
+
+    def _grad(self, k: int, step: Step) -> None:
+        if k not in self.targets.u_of_step and not step.kv_grad:
+            self.work["skipped_tokens"] += step.n  # no loss and nobody read its K/V: nothing to learn here
+            return
+        out = self._forward(step, grad=True, return_kv=step.kv_grad)
+        self.work["grad_tokens"] += step.n
+        self.peak_live = max(self.peak_live, self.live + step.n)
+        self._backward(step, self._step_loss(k, out.hidden_TD), out.kv)
+
+    def _release(self, k: int, step: Step) -> None:
+        loss, kv = self.kept.pop(step.lo)
+        self._backward(step, loss, kv)
+        self.live -= step.n
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _cache_for(self, kv: list[KV]) -> _PathCache:
+        if self.cache is None:
+            self.cache = _PathCache(len(kv), max(self.schedule.max_depth, 1), kv[0][0])
+        return self.cache
+
+    def _context(self, n: int) -> AttentionContext:
+        """Causal attention over a chain of n tokens (every token's subtree ends at n), plus the prefix."""
+        ctx = self.contexts.get(n)
+        if ctx is None:
+            subtree_end_T = torch.full((n,), n, dtype=torch.int32, device=self.dev)
+            if self.dev.type == "cuda":  # the chain is valid by construction: skip prepare's host sync
+                from treepack.kernels import prepare
+
+                ctx = AttentionContext(kind="tree", impl=self.mode.attention, mask=prepare(subtree_end_T, validate=False))
+            else:
+                ctx = AttentionContext.tree(subtree_end_T, self.mode.attention)
+            self.contexts[n] = ctx
+        return ctx
+
+    def _forward(self, step: Step, *, grad: bool, return_kv: bool):
+        tok_C = torch.as_tensor(step.tokens_C, device=self.dev)
+        past = self.cache.prefix(step.lo, grad=grad) if step.lo else None
+        self.work["model_calls"] += 1
+        return self.model(self.ids_T[tok_C], self.pos_T[tok_C], self._context(step.n), past_kv=past,
+                          return_kv=return_kv)
+
+    def _step_loss(self, k: int, hidden_CD: Tensor) -> Tensor | None:
+        """This step's share of the loss: the rows whose hidden state (the target's parent) it computed."""
+        targets, dev = self.targets, self.dev
+        u_idx = targets.u_of_step.get(k)
+        if u_idx is None:
+            return None
+        u_t = torch.as_tensor(u_idx, device=dev)
+        logp_X = target_logprobs(hidden_CD[torch.as_tensor(targets.local_U[u_idx], device=dev)],
+                                 self.model.head_weight, self.ids_T[torch.as_tensor(targets.token_U[u_idx], device=dev)],
+                                 self.mode.chunk_rows)
+        self.logp_U[u_t] = logp_X.detach().to(self.logp_U.dtype)
+        if self.weight_U is not None:
+            loss = -(self.weight_U[u_t] * logp_X).sum()
+        else:
+            r_idx = targets.rows_of_step[k]
+            r_t = torch.as_tensor(r_idx, device=dev)
+            at_X = torch.as_tensor(np.searchsorted(u_idx, targets.row_u_R[r_idx]), device=dev)
+            loss = self.objective.loss(logp_X[at_X], **{name: t[r_t] for name, t in self.tensors.items()})
+        self.loss += loss.detach().to(torch.float64)
+        return loss
+
+    def _backward(self, step: Step, loss: Tensor | None, kv: list[KV]) -> None:
+        """Back-propagate the step's loss and the dK/dV its cached rows received; then forget those rows."""
+        outs: list[Tensor] = []
+        grads: list[Tensor | None] = []
+        if loss is not None:
+            outs.append(loss)
+            grads.append(None)
+        if step.kv_grad:
+            kv_outs, kv_grads = self.cache.outputs_and_grads(step.lo, kv)
+            outs += kv_outs
+            grads += kv_grads
+        if outs:
+            with torch.autocast(self.dev.type, enabled=False):
+                torch.autograd.backward(outs, grads)
+            self.work["backward_tokens"] += step.n
+        if step.kv_grad:
+            self.cache.clear(step.lo, step.hi)
+
+
+WORK_SUMS = ("grad_tokens", "anchor_tokens", "backward_tokens", "skipped_tokens", "pruned_tokens", "model_calls",
+             "leaves")
+WORK_PEAKS = ("peak_graph_tokens", "kv_rows", "kv_cache_bytes", "cuda_peak_bytes")
+
+
+def merge_work(total: dict, metrics: dict) -> dict:
+    """Add one pack's dfs accounting (`DfsMode` metrics) to a running total: counts add, peaks take the
+    maximum, ``anchor_share`` is recomputed. Metrics of other modes leave the total unchanged."""
+    out = dict(total)
+    for key in WORK_SUMS:
+        if key in metrics:
+            out[key] = out.get(key, 0) + metrics[key]
+    for key in WORK_PEAKS:
+        if key in metrics:
+            out[key] = max(out.get(key, 0), metrics[key])
+    if "anchor_tokens" in out:
+        out["anchor_share"] = out["anchor_tokens"] / max(out["grad_tokens"] + out["anchor_tokens"], 1)
+    return out
