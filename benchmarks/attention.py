@@ -31,11 +31,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import inspect
+import itertools
 import math
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +87,7 @@ def agent_pack(capacity: int, spec: TreeSpec, rng: np.random.Generator):
         prompt = add(int(rng.integers(*spec.prompt)))
         n_turns = int(rng.integers(spec.turns[0], spec.turns[1] + 1))
 
-        def grow(members: list[int], turn: int, prefix: list[int]) -> None:
+        def grow(members: list[int], turn: int, prefix: list[int], n_turns: int = n_turns) -> None:
             if turn == n_turns:
                 paths.extend([prefix] * len(members))
                 return
@@ -204,14 +205,12 @@ SWEEP_DKDV = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 4, 3)
 
 def sweep(q, k, v, dout, se_T, sched_ns, pairs, rep, log):
     """Time forward, dQ and dK/dV kernels separately over SWEEP_*; return {sched_n: (KernelConfig, ws)}."""
-    from dataclasses import replace
-
     from treepack.kernels import prepare
     from treepack.kernels.tree_attention import triton as tri
 
-    T, H, D = q.shape
+    H, D = q.shape[1], q.shape[2]
     scale = 1 / math.sqrt(D)
-    tf = lambda matmuls, ms: 2 * matmuls * pairs * D * H / ms / 1e9  # noqa: E731
+    tf = lambda matmuls, ms: 2 * matmuls * pairs * D * H / ms / 1e9
     dkdv_base = replace(tri.GPU_DEFAULT, autotune=False)
     best = {}
     o_ref = lse = delta = None
@@ -228,23 +227,25 @@ def sweep(q, k, v, dout, se_T, sched_ns, pairs, rep, log):
                     o_ref, lse = o, lse_c
                     delta = tri._launch_delta(o, dout)
                 err = (o.float() - o_ref.float()).abs().max().item()
-                ms = bench(lambda cfg=cfg, ws=ws: tri._launch_fwd(q, k, v, None, None, *sched, scale, cfg, ws), **rep)
+                ms = bench(lambda c=cfg, w=ws, s=sched: tri._launch_fwd(q, k, v, None, None, *s, scale, c, w), **rep)
                 fwd_times[(bm, w, st, ws)] = ms
                 log(f"  fwd  sched_n={sched_n} bm={bm} w={w} s={st} ws={ws}: {ms:.3f} ms {tf(2, ms):.0f} TFLOP/s err {err:.1e}")
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+            except Exception as e:  # noqa: BLE001 - report the runner's failure and go on
                 log(f"  fwd  sched_n={sched_n} bm={bm} w={w} s={st} ws={ws}: failed {type(e).__name__}: {str(e)[:120]}")
         dq_times, dq_ref = {}, None
         for bm, w, st in SWEEP_DQ:
             cfg = replace(base, dq_block_m=bm, dq_warps=w, dq_stages=st)
             try:
-                run = lambda cfg=cfg: tri._launch_dq(dout, q, k, v, None, None, lse, delta, *sched, scale, cfg)  # noqa: E731
+                run = lambda c=cfg, s=sched, lse=lse, delta=delta: tri._launch_dq(
+                    dout, q, k, v, None, None, lse, delta, *s, scale, c
+                )
                 dq = run()
                 dq_ref = dq if dq_ref is None else dq_ref
                 err = (dq.float() - dq_ref.float()).abs().max().item()
                 ms = bench(run, **rep)
                 dq_times[(bm, w, st)] = ms
                 log(f"  dq   sched_n={sched_n} bm={bm} w={w} s={st}: {ms:.3f} ms {tf(3, ms):.0f} TFLOP/s err {err:.1e}")
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - report the runner's failure and go on
                 log(f"  dq   sched_n={sched_n} bm={bm} w={w} s={st}: failed {type(e).__name__}: {str(e)[:120]}")
         f_bm, f_w, f_st, f_ws = min(fwd_times, key=fwd_times.get)
         d_bm, d_w, d_st = min(dq_times, key=dq_times.get)
@@ -256,14 +257,14 @@ def sweep(q, k, v, dout, se_T, sched_ns, pairs, rep, log):
     for bn, bm, w, st in SWEEP_DKDV:
         cfg = replace(dkdv_base, dkdv_block_n=bn, dkdv_block_m=bm, dkdv_warps=w, dkdv_stages=st)
         try:
-            run = lambda cfg=cfg: tri._launch_dkdv(dout, q, k, v, lse, delta, se_T, scale, False, cfg)  # noqa: E731
+            run = lambda cfg=cfg: tri._launch_dkdv(dout, q, k, v, lse, delta, se_T, scale, False, cfg)
             dk, _ = run()
             dk_ref = dk if dk_ref is None else dk_ref
             err = (dk.float() - dk_ref.float()).abs().max().item()
             ms = bench(run, **rep)
             dkdv_times[(bn, bm, w, st)] = ms
             log(f"  dkdv bn={bn} bm={bm} w={w} s={st}: {ms:.3f} ms {tf(4, ms):.0f} TFLOP/s err {err:.1e}")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - report the runner's failure and go on
             log(f"  dkdv bn={bn} bm={bm} w={w} s={st}: failed {type(e).__name__}: {str(e)[:120]}")
     bn, bm, w, st = min(dkdv_times, key=dkdv_times.get)
     return {
@@ -289,15 +290,14 @@ def main() -> None:
     args = ap.parse_args()
 
     import triton
-
     from treepack.kernels import prepare, tree_attention, visible_pairs
     from treepack.kernels.tree_attention.flex import flex_block_mask
     from treepack.kernels.tree_attention.reference import tree_attention_reference
 
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    rep = dict(warmup_ms=25, rep_ms=100) if args.quick else dict(warmup_ms=100, rep_ms=500)
-    rep_sweep = dict(warmup_ms=10, rep_ms=60)
+    rep = {"warmup_ms": 25, "rep_ms": 100} if args.quick else {"warmup_ms": 100, "rep_ms": 500}
+    rep_sweep = {"warmup_ms": 10, "rep_ms": 60}
     chosen = {}
     rng = np.random.default_rng(args.seed)
     if args.subtree_end_npy:
@@ -332,7 +332,7 @@ def main() -> None:
           f"(C_attn={pairs_dense / pairs_tree:.2f})")
     print(f"schedule: {M}x{N} blocks, {n_blocks} visited ({n_full} full) = {n_blocks / (M * (M + 1) / 2 * 2):.1%} "
           f"of the causal triangle's; prepare {prepare_ms:.3f} ms")
-    fl = lambda pairs: 3.5 * 4 * pairs * D * H  # noqa: E731
+    fl = lambda pairs: 3.5 * 4 * pairs * D * H
 
     rows = []
     for K in args.kv_heads:
@@ -348,7 +348,9 @@ def main() -> None:
         from treepack.kernels.tree_attention import triton as tri_mod
 
         if args.no_sweep:
-            configs = {64: (tri_mod.GPU_DEFAULT, False)}
+            # the library's first-choice tiles, pinned (no autotuning inside the timed runs)
+            default = replace(tri_mod.GPU_DEFAULT, autotune=False)
+            configs = {default.sched_n: (default, False)}
         else:
             print(f"Hkv={K}: tile sweep (each kernel alone)")
             configs = sweep(q, k, v, dout, se_T, (64, 128), pairs_tree, rep_sweep, print)
@@ -360,8 +362,8 @@ def main() -> None:
             variants[sched_n] = (cfg, info_n)
             print(f"Hkv={K}: sched 128x{sched_n} config {cfg} (fwd warp_specialize={ws})")
 
-        def tri_with(cfg, info_n):
-            return lambda q, k, v: tri_mod.tree_attention_triton(q, k, v, info_n, config=cfg)
+        def tri_with(cfg, info_n, tri_mod=tri_mod):
+            return lambda q_, k_, v_: tri_mod.tree_attention_triton(q_, k_, v_, info_n, config=cfg)
 
         timed = {n: bench(fwd_bwd(tri_with(*variants[n]), inputs, dout), **rep) for n in variants}
         best_n = min(timed, key=timed.get)
@@ -385,33 +387,33 @@ def main() -> None:
         for n, ms in timed.items():
             if n != best_n:
                 results[f"tree/triton sched 128x{n}"] = (ms, pairs_tree)
-        fwd_ms = bench(lambda: tri(*inputs), **rep)
+        fwd_ms = bench(lambda tri=tri, inputs=inputs: tri(*inputs), **rep)
         if "flex" not in args.skip:
             try:
                 flex_block_mask(info)  # build (and cache) the BlockMask outside the timed region
-                flex = lambda q, k, v: tree_attention(q, k, v, info, impl="flex")  # noqa: E731
+                flex = lambda q, k, v: tree_attention(q, k, v, info, impl="flex")
                 out_flex = flex(*inputs)
                 checks["flex vs triton"] = (out_flex.float() - out_tree.float()).abs().max().item()
                 results["tree/flex"] = (bench(fwd_bwd(flex, inputs, dout), **rep), pairs_tree)
-            except Exception as e:  # noqa: BLE001 - report and go on
+            except Exception as e:  # noqa: BLE001 - report the runner's failure and go on
                 print(f"flex failed: {type(e).__name__}: {e}"[:400])
         if "varlen" not in args.skip and (run := varlen_dense(H, K)) is not None:
             try:
                 max_len = int(lengths.max())
-                varlen = lambda q, k, v: run(q, k, v, cu, max_len)  # noqa: E731
+                varlen = lambda q, k, v, run=run, max_len=max_len: run(q, k, v, cu, max_len)
                 checks["varlen vs tree"] = (varlen(*dense_in).float() - out_tree.float()[flat_index]).abs().max().item()
                 results["dense/varlen"] = (bench(fwd_bwd(varlen, dense_in, dense_dout), **rep), pairs_dense)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - report the runner's failure and go on
                 print(f"varlen failed: {type(e).__name__}: {e}"[:400])
         if "sdpa" not in args.skip:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             bounds = cu.tolist()
 
-            def sdpa(q, k, v):
+            def sdpa(q, k, v, bounds=bounds, K=K):
                 outs = []
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-                    for a, b in zip(bounds[:-1], bounds[1:]):
+                    for a, b in itertools.pairwise(bounds):
                         o = torch.nn.functional.scaled_dot_product_attention(
                             q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
                             is_causal=True, enable_gqa=K != H,
@@ -422,7 +424,7 @@ def main() -> None:
             try:
                 checks["sdpa vs tree"] = (sdpa(*dense_in).float() - out_tree.float()[flat_index]).abs().max().item()
                 results["dense/sdpa"] = (bench(fwd_bwd(sdpa, dense_in, dense_dout), **rep), pairs_dense)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - report the runner's failure and go on
                 print(f"sdpa failed: {type(e).__name__}: {e}"[:400])
         if "dense-triton" not in args.skip:
             results["dense/triton"] = (bench(fwd_bwd(chain, dense_in, dense_dout), **rep), pairs_dense)
@@ -452,7 +454,8 @@ def main() -> None:
             )
     script = Path(sys.argv[0]).resolve()
     script = script.relative_to(ROOT) if script.is_relative_to(ROOT) else Path(script.name)
-    command = " ".join(["python", script.as_posix(), *sys.argv[1:]])
+    argv = [Path(a).name if prev == "--out" else a for prev, a in zip(["", *sys.argv[1:]], sys.argv[1:])]
+    command = " ".join(["python", script.as_posix(), *argv])
     report = "\n".join(
         [
             f"# Tree attention fwd+bwd, {dt.date.today().isoformat()}",
@@ -460,11 +463,15 @@ def main() -> None:
             f"- GPU: {gpu}; torch {torch.__version__}; triton {triton.__version__}; Python {platform.python_version()}",
             f"- command: `{command}`",
             f"- pack: {source}",
-            f"- T={T}, sequences={len(paths)}, N_flat={N_flat}, visible pairs tree={pairs_tree:.4e}, "
-            f"dense={pairs_dense:.4e}; schedule {M}x{N}, {n_blocks} block pairs visited ({n_full} full); "
-            f"prepare {prepare_ms:.3f} ms once per pack",
-            f"- bf16, Hq={H}, D={D}; FLOPs = 3.5 x 4 x pairs x D x Hq (fwd 4·pairs·D·Hq, bwd 2.5x fwd); "
-            "median of triton.testing.do_bench",
+            (
+                f"- T={T}, sequences={len(paths)}, N_flat={N_flat}, visible pairs tree={pairs_tree:.4e}, "
+                f"dense={pairs_dense:.4e}; schedule {M}x{N}, {n_blocks} block pairs visited ({n_full} full); "
+                f"prepare {prepare_ms:.3f} ms once per pack"
+            ),
+            (
+                f"- bf16, Hq={H}, D={D}; FLOPs = 3.5 x 4 x pairs x D x Hq (fwd 4·pairs·D·Hq, bwd 2.5x fwd); "
+                "median of triton.testing.do_bench"
+            ),
             "",
             *lines,
             "",

@@ -21,9 +21,13 @@ app = typer.Typer(
 
 COMMANDS: list[tuple[str, str, str]] = [
     ("stats", "treepack.cli.stats", "stats"),
+    ("pack", "treepack.cli.pack", "pack"),
+    ("unpack", "treepack.cli.unpack", "unpack"),
     ("plot", "treepack.cli.plot", "plot"),
     ("report", "treepack.cli.report", "report"),
     ("synth", "treepack.cli.synth", "synth"),
+    ("train", "treepack.cli.train", "train"),
+    ("verify", "treepack.cli.verify", "verify"),
 ]
 
 

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
 from treepack.cli.common import console, err_console, handle_errors
+from treepack.cli.pack import report_oversize, size_option
 from treepack.cli.stats import load_with_progress
 from treepack.errors import InputError
 from treepack.packing import OVERSIZE, STRATEGIES, pack_sequences
-from treepack.plots import DEFAULT_DPI, FORMATS, KINDS, MAX_TREE_NODES, figure, save, source_label, write_figures
-from treepack.sizes import parse_size
+from treepack.plots import (
+    DEFAULT_DPI,
+    FORMATS,
+    KINDS,
+    MAX_TREE_NODES,
+    figure,
+    save,
+    source_label,
+    write_figures,
+)
 from treepack.tree import PrefixTree
 
 
@@ -24,17 +32,17 @@ def check_output(path: Path, param: str = "--output") -> None:
 
 @handle_errors
 def plot(
-    files: List[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
+    files: list[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
     output: Path = typer.Option(..., "--output", "-o", help="Figure file: .png, .svg or .pdf."),
     kind: str = typer.Option("tree", "--kind", "-k", help=f"Figure: {', '.join(KINDS)}."),
-    group: Optional[str] = typer.Option(None, "--group", help="tree: the tree_id to draw (default: the one saving most tokens)."),
+    group: str | None = typer.Option(None, "--group", help="tree: the tree_id to draw (default: the one saving most tokens)."),
     group_by: str = typer.Option("none", "--group-by", help="Sharing scope: none (whole input) or tree_id."),
-    capacity: Optional[str] = typer.Option(None, "--capacity", help="packs: tokens per pack (60k, 32K, 65536)."),
+    capacity: str | None = typer.Option(None, "--capacity", help="packs: tokens per pack (60k, 32K, 65536)."),
     strategy: str = typer.Option("best", "--strategy", help=f"packs: packing strategy ({', '.join(STRATEGIES)})."),
     oversize: str = typer.Option("error", "--oversize", help="packs: sequences longer than the capacity: error or skip."),
     max_nodes: int = typer.Option(MAX_TREE_NODES, "--max-nodes", help="tree: summarise trees with more nodes than this."),
     dpi: int = typer.Option(DEFAULT_DPI, "--dpi", help="Resolution of PNG output (dots per inch)."),
-    tokens_field: Optional[str] = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
+    tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, no 'wrote' line."),
 ) -> None:
@@ -56,7 +64,7 @@ def plot(
         raise typer.BadParameter("must be at least 2", param_hint="--max-nodes")
     if dpi < 10:
         raise typer.BadParameter("must be at least 10", param_hint="--dpi")
-    cap = parse_size(capacity, what="capacity") if capacity is not None else None
+    cap = size_option(capacity, "--capacity", "capacity") if capacity is not None else None
 
     rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet)
     if len(rollouts) == 0:
@@ -65,6 +73,7 @@ def plot(
     packing = None
     if kind == "packs":
         packing = pack_sequences(rollouts, cap, strategy=strategy, group_by=group_by, oversize=oversize, tree=tree)
+        report_oversize(rollouts, packing)
     fig = figure(kind, rollouts, tree=tree, group_by=group_by, group=group, packing=packing,
                  source=source_label(files), max_nodes=max_nodes)
     path = save(fig, output, dpi=dpi)
@@ -74,16 +83,9 @@ def plot(
         console.print(f"wrote {path}{size}", markup=False)
 
 
-def write_stats_figures(plot_dir: Path, rollouts, tree: PrefixTree, *, group_by: str, files: list[str], st,
+def write_stats_figures(plot_dir: Path, rollouts, tree: PrefixTree, *, group_by: str, files: list[str],
                         packing=None, quiet: bool = False) -> None:
-    """``treepack stats --plot DIR``: the standard set (tree, active, hist; packs when a capacity was given).
-
-    ``packing`` is the stats command's own when it has one; otherwise it is recomputed from the capacity
-    and strategy recorded in ``st`` (never when no capacity was given).
-    """
-    if packing is None and st.capacity is not None:
-        packing = pack_sequences(rollouts, st.capacity, strategy=st.strategy or "best", group_by=group_by,
-                                 oversize="skip", tree=tree)
+    """``treepack stats --plot DIR``: the standard set (tree, active, hist; packs with the stats' packing)."""
     paths = write_figures(plot_dir, rollouts, tree=tree, group_by=group_by, packing=packing,
                           source=source_label(files))
     if not quiet:

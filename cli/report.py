@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
 from treepack.cli.common import console, handle_errors
+from treepack.cli.pack import size_option
 from treepack.cli.stats import load_with_progress
 from treepack.errors import InputError
 from treepack.packing import OVERSIZE
 from treepack.plots import DEFAULT_DPI
 from treepack.report import DEFAULT_CAPACITY, REPORT_DPI, write_report
-from treepack.sizes import parse_size
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES
 
 
 @handle_errors
 def report(
-    files: List[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
+    files: list[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
     output: Path = typer.Option(..., "--output", "-o", help="HTML file to write."),
     capacity: str = typer.Option(str(DEFAULT_CAPACITY), "--capacity", help="Pack capacity for the strategy comparison (32K)."),
     no_packing: bool = typer.Option(False, "--no-packing", help="Leave the packing comparison out."),
@@ -27,7 +26,7 @@ def report(
     group_by: str = typer.Option("none", "--group-by", help="Sharing scope: none (whole input) or tree_id."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help=f"Model shape for the FLOP model: {', '.join(MODEL_SHAPES)}."),
     dpi: int = typer.Option(REPORT_DPI, "--dpi", help=f"Resolution of the embedded figures (plot's default: {DEFAULT_DPI})."),
-    tokens_field: Optional[str] = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
+    tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, no 'wrote' line."),
 ) -> None:
@@ -44,7 +43,7 @@ def report(
         raise typer.BadParameter(f"unknown model {model!r}; known: {', '.join(MODEL_SHAPES)}", param_hint="--model")
     if dpi < 10:
         raise typer.BadParameter("must be at least 10", param_hint="--dpi")
-    cap = None if no_packing else parse_size(capacity, what="capacity")
+    cap = None if no_packing else size_option(capacity, "--capacity", "capacity")
     rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet)
     if len(rollouts) == 0:
         raise InputError("no sequences to report on")

@@ -12,7 +12,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from treepack.cli.common import console, err_console, handle_errors
-from treepack.errors import InputError
+from treepack.errors import InputError, TreepackError
+from treepack.packing import OVERSIZE, STRATEGIES, pack_sequences
+from treepack.packing import compare_strategies as compare_strategies_of
 from treepack.rollouts import Rollouts, expand_paths, read_rollouts
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES, Gate, TreeStats, compute_stats
 from treepack.tree import PrefixTree
@@ -99,6 +101,25 @@ def render_stats(st: TreeStats, *, title: str) -> None:
         console.print(g)
 
 
+def render_strategies(strategies: dict, st: TreeStats) -> None:
+    """Every packing strategy side by side at the stats' capacity."""
+    t = Table(title=f"packing strategies at capacity {st.capacity:,} (POR {st.por:.4f} is the bound)",
+              title_justify="left", header_style="bold")
+    for name, justify in (("strategy", "left"), ("packs", "right"), ("N_pack", "right"), ("ERR", "right"),
+                          ("ERR speedup", "right"), ("time", "right")):
+        t.add_column(name, justify=justify)
+    for name, p in strategies.items():
+        if isinstance(p, str):
+            t.add_row(name, "-", "-", "-", "-", "-")
+            continue
+        t.add_row(name, f"{p.n_packs:,}", f"{p.n_pack_tokens:,}", f"{p.err:.4f}",
+                  f"{1 / (1 - p.err):.2f}x" if p.err < 1 else "inf", f"{p.seconds:.2f}s")
+    console.print(t)
+    for name, p in strategies.items():
+        if isinstance(p, str):
+            console.print(f"{name}: {p}", markup=False, style="dim")
+
+
 @handle_errors
 def stats(
     files: List[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
@@ -111,6 +132,11 @@ def stats(
     min_compression: Optional[float] = typer.Option(None, "--min-compression", help="Gate: fail below this C."),
     min_por: Optional[float] = typer.Option(None, "--min-por", help="Gate: fail below this POR."),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Gate: fail if a sequence is longer."),
+    capacity: Optional[str] = typer.Option(None, "--capacity", help="Also pack at this capacity (60k, 64K, 1M or tokens): packs, N_pack, ERR."),
+    strategy: str = typer.Option("best", "--strategy", help=f"Packing strategy for --capacity: {', '.join(STRATEGIES)}."),
+    min_err: Optional[float] = typer.Option(None, "--min-err", help="Gate: fail below this ERR (needs --capacity)."),
+    compare_strategies: bool = typer.Option(False, "--compare-strategies", help="With --capacity: ERR, packs and time of every strategy side by side."),
+    oversize: str = typer.Option("error", "--oversize", help="With --capacity, a sequence longer than it: error or skip."),
     plot_dir: Optional[Path] = typer.Option(None, "--plot", help="Also write the figures (tree, active, hist, packs) as PNGs into this directory."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -121,30 +147,65 @@ def stats(
         raise typer.BadParameter("must be 'none' or 'tree_id'", param_hint="--group-by")
     if model not in MODEL_SHAPES:
         raise typer.BadParameter(f"unknown model {model!r}; known: {', '.join(MODEL_SHAPES)}", param_hint="--model")
+    cap = None
+    if capacity is not None:
+        from treepack.cli.pack import size_option
+
+        cap = size_option(capacity, "--capacity", "capacity")
+    if strategy not in STRATEGIES:
+        raise typer.BadParameter(f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}", param_hint="--strategy")
+    if oversize not in OVERSIZE:
+        raise typer.BadParameter(f"must be one of {', '.join(OVERSIZE)}, got {oversize!r}", param_hint="--oversize")
+    for flag, value in (("--min-err", min_err), ("--compare-strategies", compare_strategies or None)):
+        if value is not None and cap is None:
+            raise typer.BadParameter("needs --capacity", param_hint=flag)
     rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet)
     if len(rollouts) == 0:
         reasons = ", ".join(f"{v} {k}" for k, v in rollouts.skipped.most_common())
         raise InputError("no sequences to analyse" + (f": {rollouts.n_skipped} bad record(s) skipped ({reasons})" if reasons else ""))
     tree = PrefixTree.build(rollouts, group_by=group_by)
     st = compute_stats(tree, rollouts=rollouts, model=model, top_groups=top)
-    gate = Gate(min_compression=min_compression, min_por=min_por, max_seq_len=max_seq_len)
+    strategies = None
+    if cap is not None:
+        if compare_strategies:
+            strategies = compare_strategies_of(rollouts, cap, group_by=group_by, oversize=oversize, tree=tree)
+            p = strategies[strategy]
+            if isinstance(p, str):
+                raise TreepackError(p)
+        else:
+            p = pack_sequences(rollouts, cap, strategy=strategy, group_by=group_by, oversize=oversize, tree=tree)
+        st.capacity, st.strategy, st.n_packs, st.n_pack_tokens, st.err = cap, strategy, p.n_packs, p.n_pack_tokens, p.err
+        st.err_speedup = 1.0 / (1.0 - p.err) if p.err < 1 else float("inf")
+        if p.n_oversize_skipped:
+            from treepack.cli.pack import report_oversize
+
+            report_oversize(rollouts, p)
+    gate = Gate(min_compression=min_compression, min_por=min_por, max_seq_len=max_seq_len, min_err=min_err)
     if plot_dir is not None:  # before the gate, so a failing CI run still leaves its figures
         from treepack.cli.plot import write_stats_figures  # matplotlib is imported only when asked for
 
-        write_stats_figures(plot_dir, rollouts, tree, group_by=group_by, files=files, st=st, quiet=quiet)
-    emit(st, gate, files=files, as_json=as_json, skipped_examples=rollouts.skipped_examples)
+        write_stats_figures(plot_dir, rollouts, tree, group_by=group_by, files=files,
+                            packing=p if cap is not None else None, quiet=quiet)
+    emit(st, gate, files=files, as_json=as_json, skipped_examples=rollouts.skipped_examples, strategies=strategies)
 
 
-def emit(st: TreeStats, gate: Gate, *, files: list[str], as_json: bool, skipped_examples: list[str]) -> None:
+def emit(st: TreeStats, gate: Gate, *, files: list[str], as_json: bool, skipped_examples: list[str],
+         strategies: dict | None = None) -> None:
     """Print the stats (tables or JSON), the skipped-record report, and apply the gate."""
     failures = gate.check(st)
     if as_json:
         d = st.to_dict()
+        if strategies is not None:
+            d["strategies"] = {name: ({"error": p} if isinstance(p, str) else
+                                      {"n_packs": p.n_packs, "n_pack_tokens": p.n_pack_tokens, "err": p.err,
+                                       "seconds": p.seconds}) for name, p in strategies.items()}
         d["gate"] = {"passed": not failures, "failures": failures}
         console.file.write(json.dumps(d) + "\n")
     else:
         names = ", ".join(Path(f).name if f != "-" else "<stdin>" for f in files[:3]) + (" ..." if len(files) > 3 else "")
         render_stats(st, title=f"treepack stats: {names}")
+        if strategies is not None:
+            render_strategies(strategies, st)
     if st.n_skipped:
         reasons = ", ".join(f"{v} {k}" for k, v in sorted(st.skipped.items(), key=lambda kv: -kv[1]))
         err_console.print(f"skipped {st.n_skipped} bad record(s): {reasons}", markup=False)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 from enum import Enum
-from typing import List, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -37,32 +36,31 @@ def _settings(pairs: list[str]) -> dict[str, str]:
 
 @handle_errors
 def synth(
-    kind: Kind = typer.Argument(..., help="Shape preset (module docs of treepack.datasets.synth).", show_default=False),
-    output: str = typer.Option(..., "-o", "--output", help="Output: .jsonl, .jsonl.gz, .parquet; - = JSONL to stdout."),
+    kind: Kind = typer.Argument(..., help="Shape preset (see treepack.datasets.synth).", show_default=False),
+    output: str = typer.Option(..., "-o", "--output", help="File .jsonl, .jsonl.gz, .parquet; - = stdout."),
     n: int = typer.Option(8, "-n", "--trees", min=1, help="Trees: tasks (prompts), each a group of samples."),
     seed: int = typer.Option(0, "--seed", help="Random seed: the same seed gives the same bytes."),
-    think: Optional[bool] = typer.Option(
+    think: bool | None = typer.Option(
         None, "--think/--no-think", show_default=False,
         help="Open each turn with <think>...</think>, dropped from later turns' context [default: per kind].",
     ),
     logprobs: bool = typer.Option(False, "--logprobs", help="Add per-token behaviour log-probs."),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Add a step column: K consecutive steps."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", "-g", min=1, help="Samples per task (GRPO group)."),
-    turns: Optional[float] = typer.Option(None, "--turns", min=1, help="Median assistant turns per sample."),
-    system_tokens: Optional[int] = typer.Option(None, "--system-tokens", min=0, help="Shared system prompt; 0 = none."),
-    max_len: Optional[str] = typer.Option(None, "--max-len", help="Context limit, e.g. 16K: branches end before it."),
-    vocab: Optional[int] = typer.Option(None, "--vocab", min=64, help="Vocabulary size [default: Qwen3's 151669]."),
-    settings: Optional[List[str]] = typer.Option(
-        None, "--set", help="Any config field as key=value, e.g. --set response.median=120 --set fork_prob=0.2."
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Add a step column: K consecutive steps."),
+    group_size: int | None = typer.Option(None, "--group-size", "-g", min=1, help="Samples per task."),
+    turns: float | None = typer.Option(None, "--turns", min=1, help="Median assistant turns per sample."),
+    system_tokens: int | None = typer.Option(None, "--system-tokens", min=0, help="Shared prompt; 0 = none."),
+    max_len: str | None = typer.Option(None, "--max-len", help="Context limit, e.g. 16K."),
+    vocab: int | None = typer.Option(None, "--vocab", min=64, help="Vocabulary [default: 151669]."),
+    settings: list[str] | None = typer.Option(
+        None, "--set", help="Any config field, key=value: --set response.median=120 --set fork_prob=0.2."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, no summary line."),
 ) -> None:
     """Write synthetic rollouts (one record per assistant turn) with realistic prefix-tree shapes."""
     cfg = lib.preset(kind.value)
     overrides: dict[str, object] = {"logprobs": logprobs, "steps": steps}
-    for name, value in (("think", think), ("group_size", group_size), ("system_tokens", system_tokens), ("vocab", vocab)):
-        if value is not None:
-            overrides[name] = value
+    given = {"think": think, "group_size": group_size, "system_tokens": system_tokens, "vocab": vocab}
+    overrides.update({name: value for name, value in given.items() if value is not None})
     if turns is not None:
         overrides["turns"] = cfg.turns.with_median(turns)
     if max_len is not None:
@@ -77,8 +75,10 @@ def synth(
     if not quiet:
         where = "stdout" if output == "-" else output
         rate = res.tokens / max(res.seconds, 1e-9)
-        sys.stderr.write(f"synth {kind.value}: {res.trees:,} trees, {res.records:,} records, {res.tokens:,} tokens "
-                         f"-> {where} ({res.seconds:.1f} s, {_si(rate)} tokens/s)\n")
+        sys.stderr.write(
+            f"synth {kind.value}: {res.trees:,} trees, {res.records:,} records, {res.tokens:,} tokens "
+            f"-> {where} ({res.seconds:.1f} s, {_si(rate)} tokens/s)\n"
+        )
 
 
 def _si(x: float) -> str:

@@ -20,8 +20,8 @@ SAMPLES_DIR = Path(__file__).parent / "samples"
 
 __all__ = [
     "KINDS",
-    "LogNormal",
     "SAMPLES_DIR",
+    "LogNormal",
     "SynthConfig",
     "WriteResult",
     "configure",

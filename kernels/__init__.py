@@ -12,4 +12,4 @@ from .tree_attention import (
     visible_pairs,
 )
 
-__all__ = ["tree_attention", "prepare", "TreeMaskInfo", "tree_mask", "chains_subtree_end", "visible_pairs"]
+__all__ = ["TreeMaskInfo", "chains_subtree_end", "prepare", "tree_attention", "tree_mask", "visible_pairs"]

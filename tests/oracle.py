@@ -141,3 +141,67 @@ def naive_stats(seqs, scopes=None):
         "n_leaves": len(leaves),
         "max_depth": max(len(s) for s in seqs),
     }
+
+
+def trie_tokens(seqs, scopes=None) -> int:
+    """Tokens of the union trie of some sequences (sharing only within a scope)."""
+    scopes = [0] * len(seqs) if scopes is None else scopes
+    return len({(sc, tuple(s[: k + 1])) for s, sc in zip(seqs, scopes) for k in range(len(s))})
+
+
+def areal_first_fit(seqs, max_tokens):
+    """AReaL's ``_greedy_build_tries`` (areal/models/tree_attn/tree.py), re-implemented on dict tries:
+    sequences in input order, each inserted into the first trie where the new nodes it needs keep the
+    trie within ``max_tokens``, else into a new trie. Returns the list of packs (input indices)."""
+    forests = []  # [root dict, token count, members]
+    for i, seq in enumerate(seqs):
+        for forest in forests:
+            node, additional = forest[0], 0
+            for k, tok in enumerate(seq):
+                if tok not in node:
+                    additional = len(seq) - k
+                    break
+                node = node[tok]
+            if forest[1] + additional <= max_tokens:
+                break
+        else:
+            if len(seq) > max_tokens:
+                raise ValueError(f"Sequence length {len(seq)} exceeds max_tokens_per_tree {max_tokens}")
+            forest = [{}, 0, []]
+            forests.append(forest)
+            additional = len(seq)
+        node = forest[0]
+        for tok in seq:
+            node = node.setdefault(tok, {})
+        forest[1] += additional
+        forest[2].append(i)
+    return [f[2] for f in forests]
+
+
+def set_partitions(items):
+    """Every partition of a list into non-empty blocks (Bell(n) of them: keep n small)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for p in set_partitions(rest):
+        for i in range(len(p)):
+            yield p[:i] + [[first] + p[i]] + p[i + 1 :]
+        yield [[first]] + p
+
+
+def brute_force_packing(seqs, capacity, scopes=None, batches=None):
+    """Minimum total trie tokens over every partition into packs of <= capacity (packs within a batch)."""
+    n = len(seqs)
+    scopes = [0] * n if scopes is None else scopes
+    batches = [0] * n if batches is None else batches
+    total = 0
+    for b in sorted(set(batches)):
+        idx = [i for i in range(n) if batches[i] == b]
+        best = None
+        for part in set_partitions(idx):
+            costs = [trie_tokens([seqs[i] for i in blk], [scopes[i] for i in blk]) for blk in part]
+            if max(costs) <= capacity and (best is None or sum(costs) < best):
+                best = sum(costs)
+        total += best
+    return total

@@ -62,3 +62,18 @@ def test_console_script_version(tmp_path):
     exe = sys.executable.rsplit("/", 1)[0] + "/treepack"
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.startswith("treepack ")
+
+
+def test_cli_start_imports_no_heavy_library(tmp_path):
+    """`treepack stats` must start fast: no torch, matplotlib or polars on the way in."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import treepack.cli.app
+        heavy = sorted(m for m in ("torch", "triton", "matplotlib", "polars", "networkx") if m in sys.modules)
+        print(",".join(heavy))
+        """
+    )
+    out = run_py(code, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""

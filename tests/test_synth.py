@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import itertools
 import json
 import re
 import shlex
@@ -14,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cli_helpers import run
 from oracle import naive_stats
@@ -22,9 +25,8 @@ from treepack.datasets.synth import KINDS, trees_per_chunk
 from treepack.datasets.vocab import QWEN3_VOCAB, Vocab
 from treepack.errors import ConfigError
 
-THINK, THINK_END, NL2 = 151667, 151668, 271
 IM_START, ASSISTANT = 151644, 77091
-SMALL = {"tau2": 2, "grpo-math": 4, "agentic-think": 2, "low-overlap": 64}  # trees: ~0.1-0.7M tokens
+SMALL = {"tau2": 2, "grpo-math": 4, "agentic-think": 2, "low-overlap": 64}  # trees: 0.06-0.7M tokens each kind
 
 
 def tables_equal(a: pa.Table, b: pa.Table) -> bool:
@@ -42,11 +44,11 @@ def by_sample(table: pa.Table) -> dict[tuple[int, int], list[list[int]]]:
     return out
 
 
-def without_own_think(ids: list[int]) -> list[int]:
+def without_own_think(ids: list[int], v: Vocab = Vocab()) -> list[int]:
     """The record as later turns see it: its trained turn's <think>...</think>\\n\\n removed."""
-    start = len(ids) - 1 - ids[::-1].index(THINK)
-    end = ids.index(THINK_END, start)
-    assert ids[end + 1] == NL2
+    start = len(ids) - 1 - ids[::-1].index(v.id("think"))
+    end = ids.index(v.id("think_end"), start)
+    assert ids[end + 1] == v.id("nl2")
     return ids[:start] + ids[end + 2 :]
 
 
@@ -64,14 +66,15 @@ def test_same_seed_same_table_other_seed_differs(kind):
 
 
 def test_output_does_not_depend_on_chunking_or_flags():
-    # low-overlap makes 4096 trees per chunk: 4100 trees span two chunks, each from its own seed stream.
-    assert trees_per_chunk(preset("low-overlap")) == 4096
-    batches = list(iter_batches("low-overlap", 4100, seed=3))
+    # Short answers: 4096 trees per chunk, so 4100 trees span two chunks, each from its own seed stream.
+    cfg = preset("low-overlap", prompt=LogNormal(4, 0.5, 1, 8), response=LogNormal(4, 0.5, 1, 8))
+    assert trees_per_chunk(cfg) == 4096
+    batches = list(iter_batches(cfg, 4100, seed=3))
     assert len(batches) == 2
-    whole = generate("low-overlap", 4100, seed=3)
+    whole = generate(cfg, 4100, seed=3)
     assert tables_equal(pa.Table.from_batches(batches), whole)
     # logprobs are drawn last and steps only label trees: every other column is unchanged.
-    extra = generate("low-overlap", 4100, seed=3, logprobs=True, steps=4)
+    extra = generate(cfg, 4100, seed=3, logprobs=True, steps=4)
     assert tables_equal(extra.drop_columns(["logprobs", "step"]), whole)
 
 
@@ -81,7 +84,8 @@ def test_output_does_not_depend_on_chunking_or_flags():
 def test_schema_and_values(kind, vocab):
     n = SMALL[kind]
     t = generate(kind, n, seed=1, vocab=vocab, logprobs=True, steps=2)
-    assert t.schema.names == ["id", "tree_id", "step", "input_ids", "loss_mask", "reward", "advantage", "logprobs"]
+    names = ["id", "tree_id", "step", "input_ids", "loss_mask", "reward", "advantage", "logprobs"]
+    assert t.schema.names == names
     assert t.schema.field("input_ids").type == pa.list_(pa.int32())
     assert t.schema.field("loss_mask").type == pa.list_(pa.int8())
     assert t.schema.field("logprobs").type == pa.list_(pa.float32())
@@ -123,7 +127,7 @@ def test_tau2_turns_chain():
     assert len(samples) == SMALL["tau2"] * preset("tau2").group_size
     for recs in samples.values():
         assert len(recs) >= 2
-        assert all(len(a) < len(b) and is_prefix(a, b) for a, b in zip(recs, recs[1:]))
+        assert all(len(a) < len(b) and is_prefix(a, b) for a, b in itertools.pairwise(recs))
     st = naive_stats(t.column("input_ids").to_pylist())
     assert 8.0 <= st["compression"] <= 13.0, st  # real tau-bench retail: 11.14; 12 seeds here: 8.4-12.6
     assert st["c_leaf"] < 1.5  # every record but the last of a sample is a prefix of another
@@ -133,7 +137,7 @@ def test_tau2_think_branches():
     """With thinking, turn t+1 sees turn t without its <think> block: every record is its own branch."""
     t = generate("tau2", SMALL["tau2"], seed=0, think=True)
     for recs in by_sample(t).values():
-        for a, b in zip(recs, recs[1:]):
+        for a, b in itertools.pairwise(recs):
             assert not is_prefix(a, b)
             assert is_prefix(without_own_think(a), b)
     st = naive_stats(t.column("input_ids").to_pylist())
@@ -147,7 +151,7 @@ def test_think_kept_until_the_next_user_message():
     v = Vocab()
     chained = branched = 0
     for recs in by_sample(t).values():
-        for a, b in zip(recs, recs[1:]):
+        for a, b in itertools.pairwise(recs):
             after = b[len(a) : len(a) + 4]
             tool_reply = after == [v.id("im_start"), v.id("user"), v.id("nl"), v.id("tool_response")]
             assert is_prefix(a, b) == tool_reply
@@ -160,7 +164,7 @@ def test_agentic_think_forks_at_several_depths():
     t = generate("agentic-think", SMALL["agentic-think"], seed=0)
     fork_turns = set()
     for recs in by_sample(t).values():
-        for a, b in zip(recs, recs[1:]):
+        for a, b in itertools.pairwise(recs):
             a = without_own_think(a)
             if not is_prefix(a, b):  # b starts a sibling branch: it shares a's context up to the fork
                 lcp = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
@@ -186,6 +190,50 @@ def test_max_len_ends_branches_before_the_limit():
     assert generate("low-overlap", 3, seed=0, max_len=16).num_rows == 0  # no first turn fits
 
 
+@st.composite
+def small_configs(draw):
+    """Any mix of the engine's knobs, at sizes a dict trie checks in milliseconds."""
+    sigma = st.sampled_from([0.0, 0.5, 1.0])
+    length = st.builds(lambda m, s: LogNormal(m, s, 0, 40), st.integers(1, 20), sigma)
+    return preset(
+        draw(st.sampled_from(KINDS)),
+        group_size=draw(st.integers(1, 4)),
+        system_tokens=draw(st.sampled_from([0, 6, 40])),
+        prompt=draw(length), response=draw(length), observation=draw(length), user_reply=draw(length),
+        tool_args=draw(length), thinking=draw(length),
+        turns=LogNormal(draw(st.integers(1, 6)), draw(st.sampled_from([0.0, 0.5])), 1, 8),
+        tool_prob=draw(st.sampled_from([0.0, 0.5, 1.0])), tool_ramp=draw(st.integers(0, 3)),
+        think=draw(st.booleans()), think_drop=draw(st.sampled_from(["turn", "user"])),
+        fork_prob=draw(st.sampled_from([0.0, 0.3])), fork_max=draw(st.integers(2, 4)),
+        max_len=draw(st.integers(40, 400)), vocab=draw(st.sampled_from([64, 1000, QWEN3_VOCAB])),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(cfg=small_configs(), n=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_any_config_gives_well_formed_trees(cfg, n, seed):
+    t = generate(cfg, n, seed=seed)
+    v = Vocab(cfg.vocab)
+    head = [v.id("im_start"), v.id("assistant"), v.id("nl")]
+    samples = by_sample(t) if t.num_rows else {}
+    for (tree, _), recs in samples.items():
+        assert 0 <= tree < n
+        for ids in recs:
+            assert len(ids) <= cfg.max_len and all(0 <= x < cfg.vocab for x in ids)
+        if cfg.fork_prob == 0 and not (cfg.think and cfg.think_drop == "user"):
+            for a, b in itertools.pairwise(recs):  # one branch per sample: each turn extends the last
+                assert is_prefix(without_own_think(a, v) if cfg.think else a, b)
+    for ids, mask in zip(t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()):
+        on = np.flatnonzero(mask)
+        assert on.size and on[-1] == len(ids) - 2 and np.all(np.diff(on) == 1)
+        assert ids[on[0] - 3 : on[0]] == head and ids[-2] == v.id("im_end")
+    leads: dict = {}
+    for (tree, _), recs in samples.items():  # a tree's records all open with its system prompt and task
+        ends = [i for i, x in enumerate(recs[0]) if x == v.id("im_end")]
+        lead = leads.setdefault(tree, recs[0][: ends[1 if cfg.system_tokens else 0] + 2])
+        assert all(is_prefix(lead, r) for r in recs)
+
+
 # --- configuration ------------------------------------------------------------------------------
 def test_config_errors_name_the_setting():
     with pytest.raises(ConfigError, match=r"unknown synth setting 'turn': did you mean 'turns'\?"):
@@ -202,7 +250,8 @@ def test_config_errors_name_the_setting():
 
 # --- the command --------------------------------------------------------------------------------
 SUMMARY = re.compile(
-    r"^synth low-overlap: 3 trees, (\d+) records, ([\d,]+) tokens -> (\S+) \(\d+\.\d s, [\d.]+[kMG]? tokens/s\)\n$"
+    r"^synth low-overlap: 3 trees, (\d+) records, ([\d,]+) tokens -> (\S+) "
+    r"\(\d+\.\d s, [\d.]+[kMG]? tokens/s\)\n$"
 )
 
 
@@ -219,10 +268,12 @@ def test_cli_writes_each_format(tmp_path, suffix):
     if suffix == ".parquet":
         assert pq.read_table(out).equals(want)
     else:
-        text = (gzip.open(out) if suffix.endswith(".gz") else open(out, "rb")).read().decode()
+        data = out.read_bytes()
+        text = (gzip.decompress(data) if suffix.endswith(".gz") else data).decode()
         assert text.endswith("}\n") and ", " not in text and '": ' not in text  # compact separators
         rows = [json.loads(line) for line in text.splitlines()]
-        assert [{k: v for k, v in r.items() if k != "logprobs"} for r in rows] == want.drop_columns("logprobs").to_pylist()
+        rest = want.drop_columns("logprobs").to_pylist()
+        assert [{k: v for k, v in r.items() if k != "logprobs"} for r in rows] == rest
         for row, lp in zip(rows, want.column("logprobs").to_pylist()):  # float32, written shortest round-trip
             assert np.array_equal(np.float32(row["logprobs"]), np.float32(lp))
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # no temporary file left behind
@@ -238,7 +289,8 @@ def test_cli_stdout_and_quiet():
 def test_cli_same_seed_same_bytes(tmp_path):
     paths = [tmp_path / f"{name}.jsonl.gz" for name in ("a", "b", "c")]
     for path, seed in zip(paths, ("1", "1", "2")):
-        assert run("synth", "tau2", "--think", "-n", "1", "-g", "2", "--turns", "4", "--seed", seed, "-o", path).code == 0
+        r = run("synth", "tau2", "--think", "-n", "1", "-g", "2", "--turns", "4", "--seed", seed, "-o", path)
+        assert r.code == 0
     a, b, c = (p.read_bytes() for p in paths)
     assert a == b and a != c
 
@@ -246,7 +298,8 @@ def test_cli_same_seed_same_bytes(tmp_path):
 def test_cli_options_reach_the_config(tmp_path):
     out = tmp_path / "r.parquet"
     args = ["-g", "3", "--turns", "2", "--system-tokens", "0", "--max-len", "2K", "--vocab", "5000"]
-    r = run("synth", "tau2", "-n", "2", "-o", out, *args, "--set", "turns.sigma=0", "--set", "fork_prob=0.5", "-q")
+    args += ["--set", "turns.sigma=0", "--set", "fork_prob=0.5", "-q"]
+    r = run("synth", "tau2", "-n", "2", "-o", out, *args)
     assert r.code == 0, r.err
     cfg = preset("tau2", group_size=3, system_tokens=0, max_len=2048, vocab=5000, fork_prob=0.5)
     cfg = dataclasses.replace(cfg, turns=LogNormal(2, 0.0, 1, 5))
@@ -258,7 +311,8 @@ def test_cli_options_reach_the_config(tmp_path):
     [
         (["synth", "tau3", "-o", "x.jsonl"], 2, "Invalid value for 'kind'"),
         (["synth", "tau2", "-o", "x.txt"], 1,
-         "Error: cannot tell the output format of 'x.txt': use .jsonl, .jsonl.gz or .parquet (or - for stdout)\n"),
+         "Error: cannot tell the output format of 'x.txt': "
+         "use .jsonl, .jsonl.gz or .parquet (or - for stdout)\n"),
         (["synth", "tau2", "-o", "x.jsonl", "--set", "turn.median=3"], 1,
          "Error: unknown synth setting 'turn.median': did you mean 'turns.median'?\n"),
         (["synth", "tau2", "-o", "x.jsonl", "--set", "tool_prob=lots"], 1,

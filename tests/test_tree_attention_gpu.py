@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from test_tree_attention import (
     chains_subtree_end,
     make_qkv,
@@ -130,14 +129,18 @@ def test_autotune_configs_are_each_correct():
         f, d, b = fwd[i % len(fwd)], dq[i % len(dq)], dkdv[i % len(dkdv)]
         cfg = replace(
             _pinned(),
-            fwd_block_m=f.kwargs["BLOCK_M"],
-            dq_block_m=d.kwargs["BLOCK_M"],
-            dkdv_block_n=b.kwargs["BLOCK_N1"],
-            dkdv_block_m=b.kwargs["BLOCK_M1"],
-            num_warps=f.num_warps,
-            num_stages=f.num_stages,
+            fwd_block_m=f.kwargs["BLOCK_M"], fwd_warps=f.num_warps, fwd_stages=f.num_stages,
+            dq_block_m=d.kwargs["BLOCK_M"], dq_warps=d.num_warps, dq_stages=d.num_stages,
+            dkdv_block_n=b.kwargs["BLOCK_N1"], dkdv_block_m=b.kwargs["BLOCK_M1"],
+            dkdv_warps=b.num_warps, dkdv_stages=b.num_stages,
         )
         check_against_torch(TREES["random_1025"](), H=4, K=2, D=128, P=50, config=cfg, seed=i)
+
+
+@pytest.mark.parametrize("tree", ["random_1025", "star_500_siblings", "padded_to_128"])
+def test_schedule_128x128(tree):
+    cfg = replace(_pinned(), sched_n=128)
+    check_against_torch(TREES[tree](), H=4, K=2, D=128, P=30, config=cfg)
 
 
 def test_autotuned_default_path():

@@ -51,7 +51,7 @@ STRATEGIES = ("best", "first-fit", "dfs", "optimal")
 OVERSIZE = ("error", "skip")
 # The exact DP's state space grows exponentially: measured on random trees at tight capacities (2 cores),
 # 10 sequences per step take <= 0.05 s, 14 <= 1 s, 16 up to several seconds. Above this it is refused.
-OPTIMAL_MAX_SEQUENCES = 64
+OPTIMAL_MAX_SEQUENCES = 20
 OPTIMAL_MAX_STATES = 200_000  # safety net inside the DP (a step of <= 16 sequences stays far below)
 BEST_OPTIMAL_MAX_SEQUENCES = 10  # `best` also runs the exact DP on steps this small (<= ~50 ms each)
 
@@ -69,6 +69,7 @@ class Packing:
     n_oversize_skipped: int = 0  # sequences longer than the capacity, dropped with oversize="skip"
     n_tree_tokens: int = 0  # tokens of the whole trie of the packed sequences (N_tree: the lower bound)
     pack_steps: np.ndarray | None = None  # int64 [n_packs] the step of each pack's sequences (None: no steps)
+    pack_attention_pairs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sum of depth+1
     oversize_skipped: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their input indices
     details: dict = field(default_factory=dict)  # `best`: N_pack of every candidate it tried, and the winner
 
@@ -156,7 +157,7 @@ def pack_sequences(
         labels, details = optimal_labels(forest), {}
     else:
         labels, details = best_labels(forest)
-    packs_sorted, pack_tokens = forest.packs_of(labels)
+    packs_sorted, pack_tokens, pack_pairs = forest.packs_of(labels)
     to_input = tree.order if keep is None else keep[tree.order]
     packs = [to_input[p] for p in packs_sorted]
     pack_steps = None
@@ -172,6 +173,7 @@ def pack_sequences(
         n_oversize_skipped=len(too_long),
         n_tree_tokens=int(tree.n_tree_tokens),
         pack_steps=pack_steps,
+        pack_attention_pairs=pack_pairs,
         oversize_skipped=too_long.astype(np.int64),
         details=details,
     )
@@ -258,10 +260,14 @@ class _Forest:
             out[1:][self.batch[perm[1:]] != self.batch[perm[:-1]]] = 0
         return out
 
-    def packs_of(self, labels: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-        """(ranks of each pack in DFS order, exact union-trie tokens of each pack); checks the capacity."""
+    def packs_of(self, labels: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """(ranks of each pack in DFS order, its union-trie tokens, its attention pairs); checks the capacity.
+
+        A member's new tokens are those below its LCP with the previous member (by rank); a token at depth
+        d is attended by d + 1 queries' worth of pairs, so a member adds (L(L+1) - lcp(lcp+1)) / 2 pairs.
+        """
         if self.n == 0:
-            return [], np.zeros(0, np.int64)
+            return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
         labels = np.asarray(labels, dtype=np.int64)
         if len(labels) != self.n or labels.min() < 0:
             raise AssertionError("every sequence must be in exactly one pack")
@@ -280,7 +286,9 @@ class _Forest:
             raise AssertionError(f"a pack has {int(tokens.max())} tokens > capacity {self.C}")
         if np.any(self.batch[idx][1:][same] != self.batch[idx][:-1][same]):
             raise AssertionError("a pack crosses a step")
-        return [idx[bounds[p] : bounds[p + 1]] for p in range(n_packs)], tokens
+        Ls = self.L[idx]
+        pairs = np.bincount(lab, weights=(Ls * (Ls + 1) - shared * (shared + 1)) // 2, minlength=n_packs)
+        return [idx[bounds[p] : bounds[p + 1]] for p in range(n_packs)], tokens, pairs.astype(np.int64)
 
     def cost(self, labels: np.ndarray) -> np.ndarray:
         """Union-trie tokens per batch (int64 [n_batches]) of a labelling (no capacity check)."""
@@ -375,11 +383,11 @@ def first_fit_labels(f: _Forest, input_order: np.ndarray | None = None) -> np.nd
     L = f.L.tolist()
     batch = f.batch.tolist()
     n_batches = len(f.batch_bounds) - 1
-    present: list[set | None] = [None] * t.n_nodes
+    present: list[set | None] = [None] * t.n_nodes  # packs that hold a sequence of the node's subtree
+    floor = [0] * t.n_nodes  # a lower bound on the loads of those packs (loads only grow): skips most scans
     loads = [np.zeros(f.batch_bounds[b + 1] - f.batch_bounds[b], dtype=np.int64) for b in range(n_batches)]
     n_packs = [0] * n_batches
     local = np.empty(f.n, dtype=np.int64)
-    empty: set = set()
     for i in input_order.tolist():
         b = batch[i]
         P = n_packs[b]
@@ -393,49 +401,64 @@ def first_fit_labels(f: _Forest, input_order: np.ndarray | None = None) -> np.nd
         path.reverse()
         best = P
         if P:
+            # levels whose subtree every pack touches share the same prefix with every pack: one argmax
             j0 = -1
-            while j0 + 1 < len(path) and len(present[path[j0 + 1]] or empty) == P:
+            while j0 + 1 < len(path) and present[path[j0 + 1]] is not None and len(present[path[j0 + 1]]) == P:
                 j0 += 1
             thr = C - Li + (end_depth[path[j0]] if j0 >= 0 else 0)
             hit = load[:P] <= thr
             k = int(hit.argmax())
             if hit[k]:
                 best = k
+            # deeper levels: the packs sharing more with s, deepest first (a pack's deepest level decides)
             seen_size = 0
             for j in range(len(path) - 1, j0, -1):
-                s = present[path[j]]
-                if not s or len(s) == seen_size:
+                v = path[j]
+                s = present[v]
+                if s is None or len(s) == seen_size:
                     continue
                 seen_size = len(s)
-                thr = C - Li + end_depth[path[j]]
-                if len(s) > 64:
-                    arr = np.fromiter(s, dtype=np.int64, count=len(s))
-                    ok = arr[(arr < best) & (load[arr] <= thr)]
-                    if len(ok):
-                        best = int(ok.min())
-                else:
-                    for p in s:
-                        if p < best and load[p] <= thr:
+                thr = C - Li + end_depth[v]
+                if floor[v] > thr:
+                    continue
+                if len(s) > 32:  # big set: the few packs below `best` with room, then membership
+                    for p in np.flatnonzero(load[:best] <= thr).tolist():
+                        if p in s:
                             best = p
+                            break
+                else:
+                    lo = None
+                    for p in s:
+                        lp = load[p]
+                        if lo is None or lp < lo:
+                            lo = lp
+                        if p < best and lp <= thr:
+                            best = p
+                    floor[v] = int(lo)
         if best == P:
             n_packs[b] = P + 1
             load[best] = Li
         else:
             shared = 0
             for v in reversed(path):  # deepest ancestor whose subtree the pack already touches
-                if present[v] is not None and best in present[v]:
+                s = present[v]
+                if s is not None and best in s:
                     shared = end_depth[v]
                     break
             load[best] += Li - shared
         local[i] = best
+        new_load = int(load[best])
         for v in reversed(path):
             s = present[v]
             if s is None:
                 present[v] = {best}
+                floor[v] = new_load
             elif best in s:
                 break
             else:
                 s.add(best)
+                if new_load < floor[v]:
+                    floor[v] = new_load
     return _globalize(f, local, n_packs)
 
 
@@ -833,3 +856,19 @@ def best_labels(f: _Forest) -> tuple[np.ndarray, dict]:
         details["optimal_steps"] = len(small)
     details["chosen"] = {names[i]: int((pick == i).sum()) for i in np.unique(pick).tolist()}
     return labels, details
+
+
+def compare_strategies(
+    rollouts: Rollouts, capacity: int, *, group_by: str | None = None, oversize: str = "error",
+    tree: PrefixTree | None = None,
+) -> dict[str, Packing | str]:
+    """Every strategy on the same data: its Packing, or the message of its refusal (``optimal`` on big trees)."""
+    out: dict[str, Packing | str] = {}
+    for name in STRATEGIES:
+        try:
+            out[name] = pack_sequences(rollouts, capacity, strategy=name, group_by=group_by, oversize=oversize, tree=tree)
+        except CapacityError:
+            raise
+        except TreepackError as exc:
+            out[name] = str(exc)
+    return out

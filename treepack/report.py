@@ -10,7 +10,7 @@ Design and trade-offs:
   ``treepack stats --json`` prints.
 - Packing is compared on the same tree for every strategy in ``treepack.packing.STRATEGIES``. A strategy
   that refuses the input (the exact DP above its size limit) gets a row saying why instead of failing the
-  report; sequences longer than the capacity are left out and counted (``oversize="skip"``) by default,
+  report (and the exponential DP only runs on steps of at most 16 sequences); sequences longer than the capacity are left out and counted (``oversize="skip"``) by default,
   because a report that cannot be written is worse than one that says what it dropped.
 - Every value is escaped with ``html.escape``; the output parses with ``html.parser`` without errors.
 """
@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+
+import numpy as np
 
 from treepack import __version__
 from treepack.errors import TreepackError
@@ -32,6 +34,9 @@ from treepack.tree import PrefixTree
 
 DEFAULT_CAPACITY = 32 * 1024
 REPORT_DPI = 110
+# the exact DP's time grows exponentially with the sequences of a step: ~0.01 s at 16, ~0.6 s at 24, minutes
+# (and GBs) at 48 on GRPO-shaped batches; a report must finish in seconds
+REPORT_OPTIMAL_MAX_SEQUENCES = 16
 
 _CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif;
@@ -53,7 +58,6 @@ tr.best td { font-weight: 600; background: #f0f7ff; }
 figure { margin: 8px 0 20px; }
 figure img { max-width: 100%; height: auto; border: 1px solid #eaeef2; }
 figcaption { color: #57606a; font-size: 13px; margin-top: 4px; max-width: 1300px; }
-code { background: #f6f8fa; padding: 1px 4px; border-radius: 4px; }
 .note { color: #57606a; }
 """
 
@@ -75,10 +79,23 @@ def compare_strategies(
     group_by: str | None = None,
     strategies: Sequence[str] = STRATEGIES,
     oversize: str = "skip",
+    optimal_max_sequences: int = REPORT_OPTIMAL_MAX_SEQUENCES,
 ) -> list[StrategyResult]:
-    """Pack the same batch with every strategy; a strategy that raises gets its message instead."""
+    """Pack the same batch with every strategy; a strategy that raises gets its message instead.
+
+    The exact DP (``optimal``) is exponential: it only runs when no step holds more than
+    ``optimal_max_sequences`` sequences, so that a report always finishes in seconds.
+    """
+    steps = rollouts.steps
+    largest = int(np.unique(steps, return_counts=True)[1].max()) if steps is not None else len(rollouts)
     out = []
     for name in strategies:
+        if name == "optimal" and largest > optimal_max_sequences:
+            out.append(StrategyResult(name, error=(
+                f"not run: the exact DP is exponential, reports run it on steps of at most {optimal_max_sequences} "
+                f"sequences and this input has a step of {largest:,} (treepack plot --kind packs --strategy "
+                "optimal runs it anyway)")))
+            continue
         try:
             out.append(StrategyResult(name, pack_sequences(rollouts, capacity, strategy=name, group_by=group_by,
                                                            oversize=oversize, tree=tree)))
@@ -89,7 +106,7 @@ def compare_strategies(
 
 def stats_rows(st: TreeStats) -> list[tuple[str, str, str]]:
     """(metric, value, meaning) rows of ``treepack stats``."""
-    rows = [
+    return [
         ("sequences", f"{st.n_sequences:,}", "records read" + (f" ({st.n_skipped:,} skipped)" if st.n_skipped else "")),
         ("N_flat", f"{st.n_flat_tokens:,}", "tokens a dense trainer computes"),
         ("N_tree", f"{st.n_tree_tokens:,}", "tokens in the prefix trie"),
@@ -108,17 +125,17 @@ def stats_rows(st: TreeStats) -> list[tuple[str, str, str]]:
         ("mean leaf depth", f"{st.mean_depth:,.1f}", "mean leaf path length (tokens)"),
         ("mean length", f"{st.mean_seq_len:,.1f}", "mean sequence length (tokens)"),
     ]
-    return rows
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, numeric: Sequence[bool] | None = None,
-           classes: Sequence[str] | None = None) -> str:
-    numeric = numeric or [False] * len(headers)
-    head = "".join(f'<th{" class=n" if n else ""}>{html.escape(h)}</th>' for h, n in zip(headers, numeric))
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], cols: str, *,
+           row_classes: Sequence[str] | None = None) -> str:
+    """An HTML table; ``cols`` has one letter per column: l(eft), n(umeric, right-aligned), m(uted)."""
+    css = {"l": "", "n": ' class="n"', "m": ' class="m"'}
+    head = "".join(f"<th{css[c] if c == 'n' else ''}>{html.escape(h)}</th>" for h, c in zip(headers, cols))
     body = []
     for i, row in enumerate(rows):
-        cls = f' class="{classes[i]}"' if classes and classes[i] else ""
-        cells = "".join(f'<td{" class=n" if n else ""}>{html.escape(str(c))}</td>' for c, n in zip(row, numeric))
+        cls = f' class="{row_classes[i]}"' if row_classes and row_classes[i] else ""
+        cells = "".join(f"<td{css[c]}>{html.escape(str(v))}</td>" for v, c in zip(row, cols))
         body.append(f"<tr{cls}>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -146,7 +163,7 @@ def _packing_section(results: list[StrategyResult], capacity: int, por: float) -
                      f"{p.n_oversize_skipped:,} longer than the capacity left out" if p.n_oversize_skipped else ""])
         classes.append("best" if r is best else "")
     table = _table(["strategy", "packs", "N_pack", "ERR", "1/(1-ERR)", "POR - ERR", "mean fill", "seconds", "note"],
-                   rows, numeric=[False, True, True, True, True, True, True, True, False], classes=classes)
+                   rows, "lnnnnnnnm", row_classes=classes)
     intro = (f"<p>Every strategy packs the same sequences into packs of at most <b>{capacity:,}</b> trie tokens. "
              f"N_pack counts a shared prefix once per pack that holds it; ERR = 1 - N_pack / N_flat can reach "
              f"POR = {por:.4f} only when no prefix is split across packs. The row in bold has the fewest tokens.</p>")
@@ -179,7 +196,7 @@ def build_report(
     cards = [("C", f"{st.compression:.2f}", "N_flat / N_tree"), ("POR", f"{st.por:.3f}", "prefix overlap rate"),
              ("ideal speedup", f"{st.ideal_speedup:.2f}x", "1 / (1 - POR)")]
     if best is not None:
-        cards.append((f"ERR @ {capacity:,}", f"{best.err:.3f}", f"best packing: {best.strategy}"))
+        cards.append((f"ERR @ {capacity:,}", f"{best.err:.3f}", f"strategy {best.strategy}"))
     cards += [("sequences", f"{st.n_sequences:,}", f"{st.n_flat_tokens:,} tokens"),
               ("max length", f"{st.max_depth:,}", "tokens")]
     cards_html = "".join(f'<div class="card"><div class="k">{esc(k)}</div><div class="v">{esc(v)}</div>'
@@ -190,7 +207,7 @@ def build_report(
         scope += "; trees never cross a step"
     inputs = _table(["file", "records", "skipped", "sha256"],
                     [[s.path, f"{s.n_records:,}", f"{s.n_skipped:,}", s.sha256[:16]] for s in rollouts.sources],
-                    numeric=[False, True, True, False]) if rollouts.sources else ""
+                    "lnnm") if rollouts.sources else ""
 
     parts = [
         "<!DOCTYPE html>",
@@ -207,7 +224,7 @@ def build_report(
                      "ratio is C. The lower panel is the sharing at each position.", dpi),
         "<h2>Statistics</h2>",
         '<div class="grid"><div>',
-        _table(["metric", "value", "meaning"], stats_rows(st), numeric=[False, True, False]),
+        _table(["metric", "value", "meaning"], stats_rows(st), "lnm"),
         "</div><div>",
     ]
     if st.branching:
@@ -216,16 +233,14 @@ def build_report(
         shown = [(str(k), v) for k, v in items if k <= 8]
         rest = sum(v for k, v in items if k > 8)
         if rest:
-            shown.append((f"9-{st.max_branching}", rest))
+            shown.append(("9" if st.max_branching == 9 else f"9-{st.max_branching}", rest))
         parts += ["<h3>Branching (children per internal node)</h3>",
-                  _table(["children", "nodes", "share"], [[k, f"{v:,}", f"{v / total:.1%}"] for k, v in shown],
-                         numeric=[True, True, True])]
+                  _table(["children", "nodes", "share"], [[k, f"{v:,}", f"{v / total:.1%}"] for k, v in shown], "nnn")]
     if st.groups:
         parts += [f"<h3>Top {len(st.groups)} scopes by saved tokens</h3>",
                   _table(["scope", "sequences", "N_flat", "N_tree", "C", "saved"],
                          [[g.group, f"{g.n_sequences:,}", f"{g.n_flat_tokens:,}", f"{g.n_tree_tokens:,}",
-                           f"{g.compression:.2f}", f"{g.saved_tokens:,}"] for g in st.groups],
-                         numeric=[False, True, True, True, True, True])]
+                           f"{g.compression:.2f}", f"{g.saved_tokens:,}"] for g in st.groups], "lnnnnn")]
     if inputs:
         parts += ["<h3>Inputs</h3>", inputs]
     parts.append("</div></div>")

@@ -9,11 +9,11 @@ from .api import tree_attention, triton_unsupported_reason
 from .blocks import TreeMaskInfo, chains_subtree_end, prepare, tree_mask, visible_pairs
 
 __all__ = [
-    "tree_attention",
-    "prepare",
     "TreeMaskInfo",
-    "tree_mask",
     "chains_subtree_end",
-    "visible_pairs",
+    "prepare",
+    "tree_attention",
+    "tree_mask",
     "triton_unsupported_reason",
+    "visible_pairs",
 ]

@@ -26,7 +26,7 @@ from torch import Tensor
 from .blocks import TreeMaskInfo, _dtype_name
 from .reference import tree_attention_reference
 
-__all__ = ["tree_attention", "triton_unsupported_reason", "IMPLS", "TRITON_HEAD_DIMS", "TRITON_DTYPES"]
+__all__ = ["IMPLS", "TRITON_DTYPES", "TRITON_HEAD_DIMS", "tree_attention", "triton_unsupported_reason"]
 
 IMPLS = ("auto", "reference", "flex", "triton")
 TRITON_HEAD_DIMS = (32, 64, 128)

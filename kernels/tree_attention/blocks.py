@@ -17,7 +17,7 @@ tokens, one host sync for validation) and then reused by every layer of the mode
   ancestors, scattered over [0, q]; on a tree with many branches most key blocks below the diagonal are
   empty, and the kernels loop only over the listed ones, in two loops: one with no mask test at all and
   one with it (no per-block branch inside a loop, so both software-pipeline). The table costs 4·M·N
-  bytes: 512 KiB for a 32k-token pack at 128 x 64 blocks.
+  bytes: 256 KiB for a 32k-token pack at 128 x 128 blocks.
 * the query blocks in order of decreasing work (listed key blocks), so that the kernels start the
   longest programs first (longest-processing-time scheduling; ragged trees otherwise leave a tail).
 
@@ -32,19 +32,19 @@ Shape suffixes: T pack tokens, P cached-prefix tokens, M query blocks, N key blo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "TreeMaskInfo",
+    "chains_subtree_end",
+    "check_subtree_end_values",
     "prepare",
     "tree_mask",
-    "chains_subtree_end",
     "visible_pairs",
-    "check_subtree_end_values",
 ]
 
 
@@ -103,9 +103,12 @@ class TreeMaskInfo:
 
 
 def prepare(
-    subtree_end: Tensor, *, block_m: int = 128, block_n: int = 64, validate: bool = True
+    subtree_end: Tensor, *, block_m: int = 128, block_n: int = 128, validate: bool = True
 ) -> TreeMaskInfo:
     """Build the block schedule of a pack from ``subtree_end`` (int32 [T]) on its device.
+
+    The defaults match the triton backend's GPU tiles; a TreeMaskInfo of other blocks still works (the
+    backend derives and caches the one it needs). 0.35 ms for a 31k-token pack on an H200.
 
     ``validate`` checks ``k < subtree_end[k] <= T`` (one host sync); the kernels trust it afterwards.
     """

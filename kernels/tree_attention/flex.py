@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .blocks import TreeMaskInfo
 
-__all__ = ["tree_attention_flex", "flex_block_mask", "FLEX_BLOCK_SIZE"]
+__all__ = ["FLEX_BLOCK_SIZE", "flex_block_mask", "tree_attention_flex"]
 
 FLEX_BLOCK_SIZE = 128
 
@@ -95,7 +95,7 @@ def tree_attention_flex(
             "impl='flex' has no backward on CPU (torch's FlexAttention supports backward on CUDA only); "
             "use impl='reference' on CPU"
         )
-    T, H, D = q_THD.shape
+    H = q_THD.shape[1]
     P = 0 if prefix_k is None else prefix_k.shape[0]
     keys_SKD, values_SKD = k_TKD, v_TKD
     if P:

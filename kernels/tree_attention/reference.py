@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["tree_attention_reference", "DEFAULT_SCORE_BUDGET"]
+__all__ = ["DEFAULT_SCORE_BUDGET", "tree_attention_reference"]
 
 DEFAULT_SCORE_BUDGET = 1 << 27  # score elements per chunk (Hq * C * (P + q1))
 

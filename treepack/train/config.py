@@ -21,7 +21,8 @@ from pathlib import Path
 from treepack.errors import ConfigError, TreepackError
 from treepack.sizes import parse_size
 
-MODES = ("tree", "dense")
+MODES = ("tree", "dense", "dfs")
+DFS_ORDERS = ("backward", "layout")
 ATTENTION = ("auto", "reference", "flex", "triton", "sdpa")
 DTYPES = ("auto", "float32", "bfloat16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
@@ -43,6 +44,7 @@ class ModelConfig:
     checkpoint: str = ""  # local Hugging Face checkpoint dir (config.json + *.safetensors); "" = random init
     family: str = "qwen3"  # random init: qwen3 (q/k norm) | qwen2 (qkv bias) | llama
     vocab_size: int = 0  # random init: embedding rows; 0 = max token id of the data + 1
+    compact_vocab: bool = False  # random init: renumber the data's ids 0..n-1 (fast tiny CPU runs on 151k vocabs)
     hidden_size: int = 64  # random init: model width
     intermediate_size: int = 176  # random init: SwiGLU width
     num_layers: int = 2  # random init: decoder layers
@@ -109,6 +111,7 @@ class LossConfig:
 @dataclass
 class TrainConfig:
     mode: str = "tree"  # tree (tree attention over each pack) | dense (every sequence separately: the baseline)
+    # | dfs (AReaL-DTA: depth-first over each pack's tree, cached path K/V, graph bounded by dfs_block_size)
     attention: str = "auto"  # tree kernel: auto | reference | flex | triton; dense: sdpa unless a kernel is named
     steps: int = 100  # optimizer steps (global batches)
     lr: float = 3e-4  # peak AdamW learning rate
@@ -124,14 +127,20 @@ class TrainConfig:
     seed: int = 0  # model init and pack order
     logits_chunk: int = 4096  # rows of full-vocabulary logits alive at a time in the loss
     activation_checkpointing: bool = False  # recompute each layer in backward (less memory, ~1.3x compute)
+    dfs_block_size: int = 2048  # dfs: most tokens forwarded with grad in one call (0 = unlimited)
+    dfs_keep_tokens: int = 0  # dfs: shared segments kept with their graph instead of re-forwarded (tokens; 0 = off)
+    dfs_order: str = "backward"  # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout (the pack's)
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
         _one_of("train.mode", self.mode, MODES)
         _one_of("train.attention", self.attention, ATTENTION)
-        if self.mode == "tree" and self.attention == "sdpa":
+        if self.mode in ("tree", "dfs") and self.attention == "sdpa":
             raise ConfigError("train.attention = 'sdpa' runs independent causal sequences; "
-                              "train.mode = 'tree' needs auto, reference, flex or triton")
+                              f"train.mode = '{self.mode}' needs auto, reference, flex or triton")
+        _positive("train.dfs_block_size", self.dfs_block_size, zero_ok=True)
+        _positive("train.dfs_keep_tokens", self.dfs_keep_tokens, zero_ok=True)
+        _one_of("train.dfs_order", self.dfs_order, DFS_ORDERS)
         _positive("train.steps", self.steps)
         _positive("train.lr", self.lr)
         _one_of("train.schedule", self.schedule, SCHEDULES)
@@ -286,6 +295,7 @@ checkpoint = ""             # local Hugging Face checkpoint dir (config.json + *
 # Random-init architecture (ignored with a checkpoint):
 family = "qwen3"            # qwen3 (q/k norm) | qwen2 (qkv bias) | llama
 vocab_size = 0              # 0 = max token id of the data + 1
+compact_vocab = false       # renumber the ids present in the data 0..n-1 (tiny CPU runs; ids saved to vocab.json)
 hidden_size = 64
 intermediate_size = 176
 num_layers = 2
@@ -304,7 +314,7 @@ packs_per_step = 1          # packs per optimizer step (one global batch; gradie
 shuffle = true              # seeded random pack order each epoch
 
 [train]
-mode = "tree"               # tree (tree attention) | dense (each sequence separately: the baseline)
+mode = "tree"               # tree (tree attention) | dense (each sequence separately: the baseline) | dfs
 attention = "auto"          # auto | reference | flex | triton (dense mode also: sdpa, its default)
 steps = 100
 lr = 0.0003
@@ -320,6 +330,9 @@ device = "auto"             # auto | cpu | cuda
 seed = 0
 logits_chunk = 4096         # rows of full-vocabulary logits alive at a time
 activation_checkpointing = false
+dfs_block_size = 2048       # dfs: most tokens forwarded with grad at once (0 = unlimited)
+dfs_keep_tokens = 0         # dfs: shared segments kept with their graph instead of re-forwarded (0 = off)
+dfs_order = "backward"      # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout
 
 [train.loss]
 kind = "sft"                # sft | grpo (PPO-clip; advantages from the data, else group-normalised rewards)

@@ -15,6 +15,7 @@ number and a resumed run sees exactly the batches it would have seen.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -134,6 +135,18 @@ def load_packs(
     if len(r) == 0:
         raise InputError(f"{', '.join(map(str, paths))}: no rollout records")
     return list(pack_rollouts(r, capacity, max_packs=max_packs))
+
+
+def compact_vocab(packs: list[Pack]) -> tuple[list[Pack], np.ndarray]:
+    """Remap token ids to 0..n-1 over the ids present: (remapped packs, the original id of each new id).
+
+    For random-init models only (tiny CPU runs, `treepack verify`): a 151,669-entry Qwen vocabulary makes
+    every log-prob a 151k-wide softmax, while a tau-bench pack uses ~3.4k distinct ids. The model then
+    learns (or checks) the same thing on an equally valid, smaller vocabulary."""
+    ids = np.unique(np.concatenate([np.asarray(p.input_ids[: p.n_real]) for p in packs]))
+    remapped = [dataclasses.replace(p, input_ids=np.searchsorted(ids, np.asarray(p.input_ids)).astype(np.int32))
+                for p in packs]
+    return remapped, ids
 
 
 def epoch_order(n_packs: int, epoch: int, *, seed: int, shuffle: bool) -> np.ndarray:

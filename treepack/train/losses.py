@@ -32,6 +32,7 @@ Legend: R loss rows, U pack tokens whose log-prob is needed, S sequences, T pack
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -256,3 +257,35 @@ def token_weights_fast(pack: Pack, rows: LossRows, totals: BatchTotals, normaliz
                       minlength=int(np.asarray(pack.input_ids).shape[0]))
     token_U = np.flatnonzero(w_T > 0)
     return token_U, w_T[token_U]
+
+
+def group_advantages(packs: list[Pack], eps: float = 1e-6) -> list[Pack]:
+    """GRPO advantages for packs that have none: each sequence's reward minus its group's mean, over the
+    group's std (+ eps), groups being ``tree_id`` within the given packs (one global batch). Packs that
+    already carry advantages are returned unchanged."""
+    todo = [i for i, p in enumerate(packs) if p.advantages is None]
+    if not todo:
+        return packs
+    rewards, groups = [], []
+    for i in todo:
+        p = packs[i]
+        if p.rewards is None:
+            raise TreepackError("the grpo loss needs per-sequence advantages or rewards; these packs have neither")
+        r = np.asarray(p.rewards, dtype=np.float64)
+        if np.isnan(r).any():
+            s = int(np.flatnonzero(np.isnan(r))[0])
+            raise TreepackError(f"the grpo loss needs a reward for every sequence; sequence {p.seq_ids[s]!r} has none")
+        rewards.append(r)
+        groups.extend(p.seq_groups if p.seq_groups is not None else [None] * p.n_sequences)
+    reward_S = np.concatenate(rewards)
+    _, code_S = np.unique(np.asarray([str(g) for g in groups]), return_inverse=True)
+    count_G = np.bincount(code_S)
+    mean_G = np.bincount(code_S, weights=reward_S) / count_G
+    var_G = np.bincount(code_S, weights=(reward_S - mean_G[code_S]) ** 2) / count_G
+    adv_S = (reward_S - mean_G[code_S]) / (np.sqrt(var_G[code_S]) + eps)
+    out, start = list(packs), 0
+    for i in todo:
+        n = packs[i].n_sequences
+        out[i] = dataclasses.replace(packs[i], advantages=adv_S[start : start + n])
+        start += n
+    return out

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -212,6 +213,7 @@ class AttentionContext:
     impl: str = "auto"  # tree kernel backend (auto | reference | flex | triton) or "sdpa" for causal
     mask: Any = None  # tree: int32 [T] subtree_end or TreeMaskInfo
     lengths: tuple[int, ...] = ()  # causal: sequence lengths, summing to T
+    segments: tuple[tuple[int, int, Tensor], ...] = ()  # reference backend: (start, end, local subtree_end)
 
     @classmethod
     def tree(cls, subtree_end_T: Tensor, impl: str = "auto") -> "AttentionContext":
@@ -223,8 +225,9 @@ class AttentionContext:
         subtree_end_T = subtree_end_T.to(torch.int32)
         # The schedule validates k < subtree_end[k] <= T (one sync) and lets the GPU backends skip
         # masked blocks; the reference backend reads subtree_end directly.
-        mask = prepare(subtree_end_T) if subtree_end_T.device.type == "cuda" else subtree_end_T
-        return cls(kind="tree", impl=impl, mask=mask)
+        if subtree_end_T.device.type == "cuda" and impl != "reference":
+            return cls(kind="tree", impl=impl, mask=prepare(subtree_end_T))
+        return cls(kind="tree", impl=impl, mask=subtree_end_T, segments=_independent_segments(subtree_end_T))
 
     @classmethod
     def causal(cls, lengths: Sequence[int], impl: str = "sdpa", device: torch.device | None = None
@@ -242,6 +245,12 @@ class AttentionContext:
             from treepack.kernels import tree_attention
 
             prefix_k, prefix_v = prefix if prefix is not None else (None, None)
+            if len(self.segments) > 1:
+                return torch.cat([
+                    tree_attention(q_THE[a:b], k_TKE[a:b], v_TKE[a:b], end_local, prefix_k=prefix_k,
+                                   prefix_v=prefix_v, impl=self.impl)
+                    for a, b, end_local in self.segments
+                ], dim=0)
             return tree_attention(q_THE, k_TKE, v_TKE, self.mask, prefix_k=prefix_k, prefix_v=prefix_v,
                                   impl=self.impl)
         if prefix is not None:
@@ -249,41 +258,70 @@ class AttentionContext:
         return _causal_sdpa(q_THE, k_TKE, v_TKE, self.lengths)
 
 
+SEGMENT_MIN_TOKENS = 1024  # independent trees are grouped into calls of at least this many tokens
+
+
+def _independent_segments(subtree_end_T: Tensor) -> tuple[tuple[int, int, Tensor], ...]:
+    """Cut a pack into runs of tokens that no query outside the run attends into (for the reference
+    backend, whose cost is quadratic in the tokens of a call, not in the visible pairs).
+
+    Token k starts an independent run iff no earlier key is visible at k: ``max_{j<k} subtree_end[j] <= k``
+    (the mask's own definition, so the cut is exact for any subtree_end). Runs are merged up to
+    `SEGMENT_MIN_TOKENS`: a pack of 100 GSM8K trees of ~150 tokens costs 100 x 150^2 scores instead of
+    15k^2. Invalid values (``subtree_end[k] <= k`` or ``> T``) get no cut, so the kernel reports them.
+    """
+    end_T = subtree_end_T.detach().cpu().numpy().astype(np.int64)
+    T = end_T.shape[0]
+    if T == 0 or np.any(end_T <= np.arange(T)) or np.any(end_T > T):
+        return ()
+    reach_T = np.maximum.accumulate(end_T)
+    starts = [0] + (np.flatnonzero(reach_T[:-1] <= np.arange(1, T)) + 1).tolist()
+    cuts = [0]
+    for k in starts[1:]:
+        if k - cuts[-1] >= SEGMENT_MIN_TOKENS:
+            cuts.append(k)
+    if len(cuts) == 1:
+        return ()
+    cuts.append(T)
+    return tuple((a, b, subtree_end_T[a:b] - a) for a, b in zip(cuts[:-1], cuts[1:]))
+
+
 CAUSAL_SCORE_BUDGET = 1 << 24  # score elements per SDPA call of the causal path (128 MiB in float64)
 
 
 def _causal_chunk(q_HCE: Tensor, k_HSE: Tensor, v_HSE: Tensor, q0: int) -> Tensor:
+    """Queries q0..q0+C of one sequence over its keys 0..S-1 (S = q0 + C), causally."""
     C, S = q_HCE.shape[1], k_HSE.shape[1]
-    visible_CS = torch.arange(S, device=q_HCE.device)[None, :] <= torch.arange(q0, q0 + C, device=q_HCE.device)[:, None]
+    if q0 == 0 and C == S:
+        return F.scaled_dot_product_attention(q_HCE, k_HSE, v_HSE, is_causal=True)
+    dev = q_HCE.device
+    visible_CS = torch.arange(S, device=dev)[None, :] <= torch.arange(q0, q0 + C, device=dev)[:, None]
     return F.scaled_dot_product_attention(q_HCE, k_HSE, v_HSE, attn_mask=visible_CS)
 
 
 def _causal_sdpa(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, lengths: Sequence[int]) -> Tensor:
-    """Causal attention within each of the concatenated sequences, one SDPA call per (sequence, query
-    chunk). A long sequence is cut into query chunks of at most `CAUSAL_SCORE_BUDGET` scores, each
-    checkpointed under autograd: memory O(L x chunk) instead of the O(L^2) probabilities that CPU SDPA
-    would keep for backward (27 GB for the 53 sequences of two 16k-token tau-bench packs)."""
+    """Causal attention within each of the concatenated sequences: one SDPA call per (sequence, query
+    chunk of at most `CAUSAL_SCORE_BUDGET` scores). Off CUDA, torch's SDPA keeps the O(L^2) probabilities
+    for backward (27 GB in float64 for the 53 sequences of two 16k-token tau-bench packs), so there each
+    call is checkpointed: memory O(chunk) at the price of recomputing the forward once."""
     T, H, E = q_THE.shape
     if sum(lengths) != T:
         raise ValueError(f"causal attention: sequence lengths sum to {sum(lengths)}, tokens T={T}")
     groups = H // k_TKE.shape[1]
-    grad = torch.is_grad_enabled() and (q_THE.requires_grad or k_TKE.requires_grad or v_TKE.requires_grad)
+    recompute = (torch.is_grad_enabled() and q_THE.device.type != "cuda"
+                 and (q_THE.requires_grad or k_TKE.requires_grad or v_TKE.requires_grad))
     outs, start = [], 0
     for n in lengths:
         q_HLE = q_THE[start : start + n].transpose(0, 1)
         k_HLE = k_TKE[start : start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
         v_HLE = v_TKE[start : start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
         chunk = max(1, CAUSAL_SCORE_BUDGET // (H * n))
-        if chunk >= n:
-            o_HLE = F.scaled_dot_product_attention(q_HLE, k_HLE, v_HLE, is_causal=True)
-        else:
-            parts = []
-            for q0 in range(0, n, chunk):
-                q1 = min(q0 + chunk, n)
-                args = (q_HLE[:, q0:q1], k_HLE[:, :q1], v_HLE[:, :q1], q0)
-                parts.append(checkpoint(_causal_chunk, *args, use_reentrant=False) if grad else _causal_chunk(*args))
-            o_HLE = torch.cat(parts, dim=1)
-        outs.append(o_HLE.transpose(0, 1))
+        parts = []
+        for q0 in range(0, n, chunk):
+            q1 = min(q0 + chunk, n)
+            args = (q_HLE[:, q0:q1], k_HLE[:, :q1], v_HLE[:, :q1], q0)
+            parts.append(checkpoint(_causal_chunk, *args, use_reentrant=False) if recompute else _causal_chunk(*args))
+        outs.append((torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).transpose(0, 1))
         start += n
     return torch.cat(outs, dim=0) if len(outs) != 1 else outs[0]
 
@@ -514,7 +552,11 @@ class Decoder(nn.Module):
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{cfg_path}: not valid JSON ({exc})") from None
         args = ModelArgs.from_hf_config(cfg, source=str(cfg_path))
-        files = sorted(path.glob("*.safetensors"))
+        index = path / "model.safetensors.index.json"
+        if index.is_file():  # sharded: the index names the files
+            files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        else:  # model.safetensors, model-00001-of-00002.safetensors, ... (never other *.safetensors)
+            files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
         if not files:
             raise ConfigError(f"{path}: no *.safetensors weights")
         with torch.device("meta"):

@@ -35,6 +35,7 @@ import torch
 
 from treepack.errors import ConfigError, TreepackError
 from treepack.layout import Pack
+from treepack.train.data import compact_vocab
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.dfs import merge_work
@@ -217,14 +218,6 @@ class VerifyReport:
 # The run
 
 
-def compact_vocab(packs: list[Pack]) -> tuple[list[Pack], int, int]:
-    """Remap token ids to 0..n-1 over the ids present: (packs, n ids present, largest id + 1)."""
-    ids = np.unique(np.concatenate([np.asarray(p.input_ids[: p.n_real]) for p in packs]))
-    remapped = [dataclasses.replace(p, input_ids=np.searchsorted(ids, np.asarray(p.input_ids)).astype(np.int32))
-                for p in packs]
-    return remapped, int(ids.shape[0]), int(ids[-1]) + 1
-
-
 def tiny_model_args(vocab_size: int) -> ModelArgs:
     return ModelArgs.for_family("qwen3", vocab_size=vocab_size, hidden_size=64, intermediate_size=176,
                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -280,7 +273,8 @@ def verify_packs(
         vocab = max_id + 1
         vocab_note = f"{vocab:,} (largest id + 1)"
         if vocab > COMPACT_VOCAB_ABOVE:
-            packs, vocab, _ = compact_vocab(packs)
+            packs, present = compact_vocab(packs)
+            vocab = int(present.shape[0])
             vocab_note = f"{vocab:,} ids present of {max_id + 1:,} (remapped)"
         base = Decoder.random_init(tiny_model_args(vocab), seed=seed, dtype=torch.float64)
     else:
@@ -301,9 +295,9 @@ def verify_packs(
     totals = BatchTotals.of(rows)
 
     def model_in(dt: torch.dtype) -> Decoder:
-        m = Decoder(base.args)
-        m.load_state_dict({k: v.detach().to(dt) for k, v in base.state_dict().items()})
-        return m.to(device)
+        m = Decoder(base.args).to(device=device, dtype=dt)
+        m.load_state_dict(base.state_dict())  # copies into m's dtype
+        return m
 
     runs = [(m, torch_dtype) for m in modes]
     ref_dtype = None

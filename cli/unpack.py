@@ -1,0 +1,25 @@
+"""``treepack unpack``: packed shards -> the original rollout records, exactly, in input order."""
+
+from __future__ import annotations
+
+import typer
+
+from treepack.cli.common import err_console, handle_errors
+from treepack.shards import unpack as unpack_dir
+from treepack.shards import write_rollouts
+
+
+@handle_errors
+def unpack(
+    directory: str = typer.Argument(..., help="A directory written by `treepack pack`."),
+    output: str = typer.Option(..., "--output", "-o", help="Output file: .jsonl, .jsonl.gz, .parquet, or - for JSONL on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary line."),
+) -> None:
+    """Rebuild every packed record (tokens, loss_mask, id, tree_id, step, advantage, reward, logprobs) from the shards."""
+    if not (output == "-" or output.endswith((".jsonl", ".jsonl.gz", ".parquet", ".pq"))):
+        raise typer.BadParameter(f"{output!r}: expected a .jsonl, .jsonl.gz or .parquet file, or -", param_hint="--output")
+    r = unpack_dir(directory)
+    write_rollouts(r, output)
+    if not quiet:
+        where = "<stdout>" if output == "-" else output
+        err_console.print(f"wrote {len(r):,} records ({r.n_tokens:,} tokens) to {where}", markup=False)

@@ -1,0 +1,125 @@
+"""``treepack verify``: run the training modes on the same packs; exit 1 unless they agree with dense."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from treepack.cli.common import console, err_console, handle_errors
+from treepack.sizes import parse_size
+
+
+def render(report) -> None:
+    t = Table(title=f"treepack verify: {report.packs} packs, {report.sequences:,} sequences, {report.dtype}, "
+                    f"{report.loss_kind} loss", title_justify="left", header_style="bold")
+    for name, justify in (("mode", "left"), ("loss", "right"), ("max rel grad diff", "right"),
+                          ("mean rel grad diff", "right"), ("max |logprob diff|", "right"), ("tokens", "right"),
+                          ("time", "right")):
+        t.add_column(name, justify=justify)
+    if report.dtype != "float64":
+        t.add_column("grad err vs ref", justify="right")
+    for name, m in report.modes.items():
+        baseline = name == "dense"
+        row = [
+            name,
+            "error" if m.error else f"{m.loss:.12g}",
+            "baseline" if baseline else ("-" if m.error else f"{m.max_rel_grad_diff:.2e}"),
+            "baseline" if baseline else ("-" if m.error else f"{m.mean_rel_grad_diff:.2e}"),
+            "baseline" if baseline else ("-" if m.error else f"{m.max_logprob_diff:.2e}"),
+            f"{m.forward_tokens:,}",
+            f"{m.seconds:.1f}s",
+        ]
+        if report.dtype != "float64":
+            row.append("-" if m.ref_rel_grad_diff is None else f"{m.ref_rel_grad_diff:.2e}")
+        t.add_row(*row)
+    console.print(t)
+    console.print(f"tree tokens {report.tree_tokens:,} | flat tokens {report.flat_tokens:,} | "
+                  f"loss tokens {report.loss_tokens:,} | vocab {report.vocab}"
+                  + (f" | advantages {report.advantages}" if report.loss_kind == "grpo" else ""), markup=False)
+    paths = "yes" if report.layout_problem_count == 0 else f"NO ({report.layout_problem_count:,} problems)"
+    console.print(f"layout (paths = parent chains, subtree_end, positions, scale, loss_weight): {paths}",
+                  markup=False)
+    for p in report.layout_problems:
+        console.print(f"  {p}", markup=False)
+    worst = max((m for k, m in report.modes.items() if k != "dense"), key=lambda m: m.max_rel_grad_diff,
+                default=None)
+    if report.ok:
+        tol = (f"{report.tolerance:g} relative" if report.dtype == "float64"
+               else "2x the dense run's error vs the reference")
+        console.print(f"OK: every mode matches dense within {tol}"
+                      + (f" (worst: {worst.worst_param})" if worst and worst.worst_param else ""), markup=False)
+    else:
+        for f in report.failures:
+            console.print(f"FAIL: {f}", markup=False)
+
+
+@handle_errors
+def verify(
+    source: List[str] = typer.Argument(..., metavar="SHARDS_DIR", help="Packed shards directory, or rollout files (.jsonl, .jsonl.gz, .parquet) packed with --capacity."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Training config whose [model] to use (default: a tiny random model on the CPU)."),
+    modes: str = typer.Option("dense,tree", "--modes", help="Comma-separated modes; dense is the baseline and always runs."),
+    dtype: str = typer.Option("float64", "--dtype", help="float64 | float32 | bfloat16 | float16."),
+    loss: str = typer.Option("sft", "--loss", help="sft | grpo (advantages from the data, else synthetic)."),
+    normalization: str = typer.Option("token", "--normalization", help="token | sequence."),
+    packs: int = typer.Option(2, "--packs", help="Verify the first N packs (0 = all)."),
+    capacity: str = typer.Option("8k", "--capacity", help="Pack capacity when packing rollout files."),
+    attention: str = typer.Option("auto", "--attention", help="Tree kernel: auto | reference | flex | triton."),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random model (and of synthetic advantages)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Loss, gradients and log-probs of every mode against dense on the same packs; exit 1 if they differ."""
+    if packs < 0:
+        raise typer.BadParameter("must be >= 0", param_hint="--packs")
+    mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    cap = parse_size(capacity, what="--capacity")
+
+    import torch  # noqa: F401  (heavy imports only here)
+
+    from treepack.train.config import load_config
+    from treepack.train.data import load_packs
+    from treepack.train.model import Decoder
+    from treepack.train.modes import make_mode
+    from treepack.train.verify import DTYPES, verify_packs
+
+    for m in mode_list:
+        make_mode(m)  # unknown modes fail here, before any work
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"must be one of {', '.join(DTYPES)}", param_hint="--dtype")
+    if loss not in ("sft", "grpo"):
+        raise typer.BadParameter("must be sft or grpo", param_hint="--loss")
+
+    pack_list = load_packs(source, capacity=cap, max_packs=packs or None)
+    model = None
+    if config is not None:
+        cfg = load_config(config)
+        if cfg.model.checkpoint:
+            model = Decoder.from_pretrained(cfg.model.checkpoint, dtype=torch.float64)
+        else:
+            from treepack.train.loop import build_model
+
+            model = build_model(cfg, pack_list, torch.device("cpu"), torch.float64)
+
+    def run(progress=None):
+        return verify_packs(pack_list, modes=mode_list, dtype=dtype, loss=loss, normalization=normalization,
+                            model=model, attention=attention, device=device, seed=seed, progress=progress)
+
+    if quiet or as_json:
+        report = run()
+    else:
+        with Progress(TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err_console, transient=True) as bar:
+            task = bar.add_task("verify", total=None)
+            report = run(lambda done, total: bar.update(task, completed=done, total=total))
+    if as_json:
+        print(json.dumps(report.to_json()))
+    else:
+        render(report)
+    if not report.ok:
+        raise typer.Exit(1)

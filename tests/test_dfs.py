@@ -1,0 +1,394 @@
+"""DFS mode: the schedule's invariants, exact equality with dense (float64), and bounded memory.
+
+Equivalence runs a tiny random Qwen3-layout model in float64 on the CPU: loss and every parameter
+gradient of ``dfs`` must equal ``dense`` to 1e-9 relative on random trees with branch points, duplicates,
+prefix-of-another sequences, loss masks, per-sequence advantages and suffixes longer than several blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from strategies import rollouts_from, sequence_lists
+from treepack.errors import ConfigError
+from treepack.layout import build_pack
+from treepack.train.config import parse_config
+from treepack.train.dfs import DfsMode, leaf_order, merge_work, plan, tree_nodes
+from treepack.train.losses import BatchTotals, LossRows, Objective
+from treepack.train.model import Decoder
+from treepack.train.modes import LayoutError, make_mode
+from treepack.train.verify import tiny_model_args, verify_packs
+
+TOL = 1e-9
+VOCAB = 16
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def random_sequences(seed: int, n: int = 10, vocab: int = VOCAB, grow: int = 40) -> list[list[int]]:
+    """Sequences that branch, repeat, cut each other short and grow private suffixes of up to ``grow``."""
+    rng = np.random.default_rng(seed)
+    trunk = rng.integers(0, vocab, min(24, grow)).tolist()
+    seqs: list[list[int]] = []
+    for _ in range(n):
+        r = rng.random()
+        if seqs and r < 0.15:
+            seqs.append(list(seqs[rng.integers(len(seqs))]))  # duplicate
+        elif seqs and r < 0.3:
+            base = seqs[rng.integers(len(seqs))]
+            seqs.append(base[: rng.integers(1, len(base) + 1)])  # prefix of another
+        elif seqs and r < 0.7:
+            base = seqs[rng.integers(len(seqs))]
+            cut = int(rng.integers(0, len(base) + 1))
+            seqs.append(base[:cut] + rng.integers(0, vocab, int(rng.integers(1, grow))).tolist())  # branch
+        else:
+            seqs.append(trunk[: rng.integers(1, len(trunk) + 1)] + rng.integers(0, vocab, int(rng.integers(1, grow))).tolist())
+    return seqs
+
+
+def make_pack(seqs, seed: int = 0, *, masked: bool = True, groups=None):
+    rng = np.random.default_rng(seed + 1000)
+    masks = [(rng.random(len(s)) < 0.7).astype(int).tolist() for s in seqs] if masked else None
+    r = rollouts_from(seqs, masks=masks, groups=groups, advantages=rng.standard_normal(len(seqs)))
+    return build_pack(r)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's ops are microseconds long: intra-op threads only add synchronisation (10x slower
+    on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    return Decoder.random_init(tiny_model_args(VOCAB), seed=0, dtype=torch.float64)
+
+
+def run(model, pack, name, objective, **options):
+    rows = LossRows.from_pack(pack)
+    totals = BatchTotals.of([rows])
+    model.zero_grad(set_to_none=True)
+    out = make_mode(name, **options)(model, pack, rows, objective, totals)
+    out.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return out, grads
+
+
+def assert_same(out, grads, ref_out, ref_grads):
+    loss, ref_loss = out.loss.item(), ref_out.loss.item()
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+    assert torch.allclose(out.logp_R, ref_out.logp_R, rtol=0, atol=1e-12)
+    for name, g in grads.items():
+        scale = ref_grads[name].abs().max().item()
+        assert (g - ref_grads[name]).abs().max().item() <= TOL * max(scale, 1e-30), name
+
+
+# --------------------------------------------------------------------------------------------------
+# Schedule invariants (numpy only)
+
+
+def ancestors(parent, t):
+    out = []
+    while t >= 0:
+        out.append(t)
+        t = parent[t]
+    return out[::-1]
+
+
+def check_schedule(parent_T, sched, block, keep):
+    """Replay a schedule against a model of the path cache; every exactness condition of the module doc."""
+    parent = parent_T.tolist()
+    cache: dict[int, int] = {}  # depth -> token whose K/V the row holds
+    readers: dict[int, int] = {}  # token -> last step that read its cached K/V
+    done: dict[int, int] = {}  # token -> step that forwarded it with grad
+    kept_open: dict[int, list[int]] = {}
+    live = peak = 0
+    for k, st in enumerate(sched.steps):
+        toks = st.tokens_C.tolist()
+        path = ancestors(parent, toks[0])
+        assert len(path) - 1 == st.lo  # the segment starts at depth lo ...
+        assert all(parent[b] == a for a, b in zip(toks, toks[1:]))  # ... and is a chain
+        for d in range(st.lo):  # it reads exactly its ancestors' rows
+            assert cache.get(d) == path[d], (k, d)
+            readers[path[d]] = k
+        if st.kind in ("anchor", "keep"):
+            for d, t in enumerate(toks, st.lo):
+                cache[d] = t
+        if st.kind in ("grad", "keep"):
+            assert st.n <= (block or 10**9)
+            for t in toks:
+                assert t not in done, "forwarded with grad twice"
+                done[t] = k
+        if st.kind == "keep":
+            kept_open[st.lo] = toks
+            live += st.n
+        if st.kind == "grad":
+            peak = max(peak, live + st.n)
+        if st.kind == "release":
+            assert kept_open.pop(st.lo) == toks
+            live -= st.n
+        if st.kind in ("grad", "release"):
+            for t in toks:  # popped after every reader of its row; rows nobody read need no dK/dV
+                assert readers.get(t, -1) < k
+                if not st.kv_grad:
+                    assert t not in readers
+        peak = max(peak, live)
+    assert not kept_open and live == 0
+    assert sorted(done) == list(range(len(parent)))  # every token exactly once
+    assert peak == sched.peak_graph_tokens <= (block or 10**9) + keep
+    assert sched.grad_tokens == len(parent)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seqs=sequence_lists(max_seqs=10, max_len=14, vocab=3), block=st.sampled_from([0, 1, 2, 3, 7]),
+       keep=st.sampled_from([0, 2, 5, 1000]), order=st.sampled_from(["backward", "layout"]))
+def test_schedule_replays_exactly(seqs, block, keep, order):
+    pack = build_pack(rollouts_from(seqs))
+    parent_T = np.asarray(pack.parent[: pack.n_real], dtype=np.int64)
+    sched = plan(parent_T, block_size=block, keep_tokens=keep, order=order)
+    check_schedule(parent_T, sched, block, keep)
+    assert sched.max_depth == int(pack.position_ids.max()) + 1
+    assert sched.n_leaves == int(np.sum(np.bincount(parent_T[parent_T >= 0], minlength=pack.n_real) == 0))
+
+
+def test_anchor_tokens_match_the_formula():
+    """keep=0: anchors = tokens shared by >= 2 leaves + each leaf's own tokens beyond one block, in any order."""
+    seqs = random_sequences(3, n=14)
+    pack = build_pack(rollouts_from(seqs))
+    parent_T = np.asarray(pack.parent[: pack.n_real], dtype=np.int64)
+    n = pack.n_real
+    leaf_T = np.bincount(parent_T[parent_T >= 0], minlength=n) == 0
+    below = leaf_T.astype(int)
+    for t in range(n - 1, 0, -1):
+        if parent_T[t] >= 0:
+            below[parent_T[t]] += below[t]
+    leaf_of = np.where(leaf_T, np.arange(n), -1)
+    for t in range(n - 1, 0, -1):  # a token with one leaf below has one child: inherit its leaf
+        if parent_T[t] >= 0 and below[parent_T[t]] == 1:
+            leaf_of[parent_T[t]] = leaf_of[t]
+    tail = np.bincount(leaf_of[below == 1], minlength=n)  # each leaf's own tokens
+    for block in (1, 4, 7, 0):
+        expected = int((below >= 2).sum()) + int(np.maximum(tail - (block or n), 0).sum())
+        for order in ("backward", "layout"):
+            assert plan(parent_T, block_size=block, order=order).anchor_tokens == expected
+
+
+def test_backward_order_is_algorithm_1():
+    """Reverse of the DFS whose children are sorted by (is internal, tail) ascending, tail = first leaf's depth."""
+    # 0 -> 1 -> 2 (leaf, path of 3 tokens)
+    #        -> 3 -> 4 -> 5 (leaf, 5 tokens)
+    #             -> 6 (leaf, 4 tokens)
+    #   -> 7 (leaf, 2 tokens)
+    parent_T = np.array([-1, 0, 1, 1, 3, 4, 3, 0])
+    nodes = tree_nodes(parent_T)
+    leaves = [int(nodes.end_N[n]) - 1 for n in leaf_order(nodes, "backward")]
+    # Ascending (leaf first, shorter tail first): at 3: 6 (tail 4), then 4-5 (tail 5), tail(3) = 4; at 1:
+    # 2 (leaf, 3), then 3 (internal), tail(1) = 3; at 0: 7 (leaf, 2), then 1. DFS: 7, 2, 6, 5; reversed:
+    assert leaves == [5, 6, 2, 7]
+    assert [int(nodes.end_N[n]) - 1 for n in leaf_order(nodes, "layout")] == [2, 5, 6, 7]
+
+
+def test_pruning_drops_tokens_without_loss_below():
+    seqs = [[1, 2, 3, 4], [1, 2, 5, 6, 7]]
+    masks = [[0, 0, 1, 1], [0, 0, 0, 0, 0]]  # the second sequence trains on nothing
+    pack = build_pack(rollouts_from(seqs, masks=masks))
+    rows = LossRows.from_pack(pack)
+    mode = DfsMode(block_size=2)
+    out = mode(Decoder.random_init(tiny_model_args(8), dtype=torch.float64), pack, rows, Objective(),
+               BatchTotals.of([rows]))
+    # live: 1, 2 (parent of 3), 3 (parent of 4); pruned: 4 (a leaf's last token) and 5, 6, 7
+    assert out.metrics["pruned_tokens"] == 4
+    assert out.metrics["grad_tokens"] == 3
+
+
+def test_plan_rejects_a_non_preorder_parent():
+    with pytest.raises(ValueError, match="parent must precede"):
+        plan(np.array([-1, 2, 0]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Equivalence with dense (float64)
+
+
+DFS_CONFIGS = [dict(dfs_block_size=b) for b in (7, 2048, 0)] + [
+    dict(dfs_block_size=7, dfs_keep_tokens=12), dict(dfs_block_size=5, dfs_keep_tokens=10**6, dfs_order="layout")]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_dfs_equals_dense(model, seed, kind, size):
+    """Large trees (~250 tokens, suffixes of up to 40) over blocks 7, 2048, unlimited and kept graphs;
+    small ones (~60 tokens) also with block 1, i.e. one model call per token."""
+    seqs = random_sequences(seed, n=10, grow=40) if size == "large" else random_sequences(seed, n=5, grow=10)
+    pack = make_pack(seqs, seed)
+    objective = Objective(kind=kind, normalization="sequence" if seed % 2 else "token", clip_low=0.1, clip_high=0.1)
+    ref = run(model, pack, "dense", objective)
+    configs = DFS_CONFIGS if size == "large" else [dict(dfs_block_size=1), dict(dfs_block_size=1, dfs_keep_tokens=3)]
+    for cfg in configs:
+        out, grads = run(model, pack, "dfs", objective, **cfg)
+        assert_same(out, grads, *ref)
+        assert out.backward_done and not out.loss.requires_grad
+        w = out.metrics
+        assert w["grad_tokens"] + w["pruned_tokens"] == pack.n_real == w["backward_tokens"] + w["pruned_tokens"]
+        assert w["peak_graph_tokens"] <= (cfg["dfs_block_size"] or pack.n_real) + cfg.get("dfs_keep_tokens", 0)
+
+
+def test_dfs_equals_dense_with_behaviour_logprobs_and_kl(model):
+    import dataclasses
+
+    pack = make_pack(random_sequences(11), 11)
+    rng = np.random.default_rng(0)
+    pack = dataclasses.replace(pack, seq_logprobs=rng.normal(-2.5, 0.3, pack.seq_token_index.shape[0]))
+    objective = Objective(kind="grpo", clip_low=0.2, clip_high=0.28, kl_coef=0.05)
+    ref = run(model, pack, "dense", objective)
+    out, grads = run(model, pack, "dfs", objective, dfs_block_size=3, dfs_keep_tokens=8)
+    assert_same(out, grads, *ref)
+    assert "clip_fraction" in out.metrics
+
+
+def test_dfs_equals_dense_on_a_forest_and_a_single_token(model):
+    seqs = [[1, 2, 3], [1, 2, 3], [4], [5, 6], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    pack = make_pack(seqs, groups=["a", "a", "b", "c", "a"], masked=False)
+    objective = Objective()
+    ref = run(model, pack, "dense", objective)
+    for block in (1, 2, 0):
+        assert_same(*run(model, pack, "dfs", objective, dfs_block_size=block), *ref)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seqs=sequence_lists(max_seqs=8, max_len=12, vocab=3), block=st.sampled_from([1, 3, 0]),
+       keep=st.sampled_from([0, 4]), kind=st.sampled_from(["sft", "grpo"]))
+def test_dfs_equals_dense_on_hypothesis_trees(model, seqs, block, keep, kind):
+    pack = make_pack(seqs, len(seqs))
+    if LossRows.from_pack(pack).n_rows == 0:
+        return
+    objective = Objective(kind=kind)
+    ref = run(model, pack, "dense", objective)
+    assert_same(*run(model, pack, "dfs", objective, dfs_block_size=block, dfs_keep_tokens=keep), *ref)
+
+
+def test_verify_runs_dfs_and_reports_its_work():
+    packs = [make_pack(random_sequences(s), s) for s in (5, 6)]
+    report = verify_packs(packs, modes=("dense", "tree", "dfs"), mode_options={"dfs_block_size": 4})
+    assert report.ok, report.failures
+    assert report.modes["dfs"].max_rel_grad_diff <= TOL
+    work = report.to_json()["modes"]["dfs"]["work"]
+    assert work["grad_tokens"] + work["pruned_tokens"] == sum(p.n_real for p in packs)
+    assert work["peak_graph_tokens"] <= 4 and work["anchor_tokens"] > 0
+
+
+def test_verify_float32_within_twice_dense_error():
+    report = verify_packs([make_pack(random_sequences(8), 8)], modes=("dense", "dfs"), dtype="float32",
+                          mode_options={"dfs_block_size": 5})
+    assert report.ok, report.failures
+
+
+def test_corrupted_parent_is_a_layout_error(model):
+    import dataclasses
+
+    pack = make_pack(random_sequences(1), 1)
+    parent = np.asarray(pack.parent).copy()
+    parent[5] = 7
+    bad = dataclasses.replace(pack, parent=parent)
+    rows = LossRows.from_pack(bad)
+    with pytest.raises(LayoutError, match="parent must precede"):
+        make_mode("dfs")(model, bad, rows, Objective(), BatchTotals.of([rows]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory: live activations grow with the longest path, not with the tree
+
+
+class SavedBytes:
+    """Bytes of tensors autograd holds for backward, alive at once (a CPU memory probe)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def __enter__(self):
+        probe = self
+
+        class Handle:
+            def __init__(self, t):
+                self.t, self.n = t, t.numel() * t.element_size()
+                probe.live += self.n
+                probe.peak = max(probe.peak, probe.live)
+
+            def __del__(self):
+                probe.live -= self.n
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(Handle, lambda h: h.t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+def comb(branches: int) -> list[list[int]]:
+    """A 48-token trunk with ``branches`` 24-token branches: the longest path stays 72 tokens."""
+    rng = np.random.default_rng(branches)
+    trunk = rng.integers(0, VOCAB, 48).tolist()
+    return [trunk + [b % VOCAB] + rng.integers(0, VOCAB, 23).tolist() for b in range(branches)]
+
+
+def peak_saved(model, pack, name, **options) -> tuple[int, dict]:
+    rows = LossRows.from_pack(pack)
+    model.zero_grad(set_to_none=True)
+    with SavedBytes() as probe:
+        out = make_mode(name, **options)(model, pack, rows, Objective(), BatchTotals.of([rows]))
+        out.backward()
+    return probe.peak, out.metrics
+
+
+def test_peak_memory_follows_the_longest_path_not_the_tree(model):
+    small, large = make_pack(comb(2), masked=False), make_pack(comb(16), masked=False)
+    assert large.n_real > 4 * small.n_real
+    dfs_small, w_small = peak_saved(model, small, "dfs", dfs_block_size=16)
+    dfs_large, w_large = peak_saved(model, large, "dfs", dfs_block_size=16)
+    tree_small, _ = peak_saved(model, small, "tree")
+    tree_large, _ = peak_saved(model, large, "tree")
+    assert w_small["peak_graph_tokens"] == w_large["peak_graph_tokens"] == 16
+    assert w_small["kv_rows"] == w_large["kv_rows"] == 71  # the leaves' last tokens predict nothing
+    # Parameters saved by every linear layer are a constant floor; on top of it dfs stays flat.
+    assert dfs_large <= 1.05 * dfs_small
+    assert tree_large >= 2.5 * tree_small
+    assert dfs_large < tree_large
+
+
+# --------------------------------------------------------------------------------------------------
+# Configuration and helpers
+
+
+def test_config_accepts_dfs_and_checks_its_keys():
+    base = '[data]\nshards = "p"\n[train]\nmode = "dfs"\n'
+    cfg = parse_config(base + "dfs_block_size = 0\ndfs_keep_tokens = 4096\n")
+    assert (cfg.train.mode, cfg.train.dfs_block_size, cfg.train.dfs_keep_tokens) == ("dfs", 0, 4096)
+    with pytest.raises(ConfigError, match="train.dfs_block_size must be >= 0"):
+        parse_config(base + "dfs_block_size = -1\n")
+    with pytest.raises(ConfigError, match="train.dfs_order must be one of backward, layout"):
+        parse_config(base + 'dfs_order = "bfs"\n')
+    with pytest.raises(ConfigError, match="train.mode = 'dfs' needs auto"):
+        parse_config(base + 'attention = "sdpa"\n')
+    with pytest.raises(ConfigError, match="dfs mode needs a tree kernel"):
+        make_mode("dfs", attention="sdpa")
+
+
+def test_merge_work_sums_counts_and_keeps_peaks():
+    a = {"grad_tokens": 10, "anchor_tokens": 5, "peak_graph_tokens": 7, "kv_rows": 30, "clip_fraction": 0.1}
+    b = {"grad_tokens": 20, "anchor_tokens": 0, "peak_graph_tokens": 9, "kv_rows": 12}
+    total = merge_work(merge_work({}, a), b)
+    assert total == {"grad_tokens": 30, "anchor_tokens": 5, "peak_graph_tokens": 9, "kv_rows": 30,
+                     "anchor_share": 5 / 35}
+    assert merge_work({}, {"clip_fraction": 0.2}) == {}

@@ -1,0 +1,156 @@
+"""Losses: chunked target log-probs, loss rows of a pack, normalisations, GRPO/PPO-clip, advantages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from strategies import rollouts_from
+from treepack.errors import ConfigError, TreepackError
+from treepack.layout import build_pack
+from treepack.train.losses import (
+    BatchTotals,
+    LossRows,
+    Objective,
+    group_advantages,
+    row_weights,
+    target_logprobs,
+    token_weights_fast,
+)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 100])
+def test_target_logprobs_matches_log_softmax(chunk):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(7, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(11, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 11, (7,), generator=g)
+    coef = torch.randn(7, dtype=torch.float64, generator=g)
+    ref = torch.log_softmax(h @ w.T, dim=-1).gather(1, t[:, None])[:, 0]
+    got = target_logprobs(h, w, t, chunk_rows=chunk)
+    assert torch.allclose(got, ref, rtol=0, atol=1e-14)
+    gh_ref, gw_ref = torch.autograd.grad((coef * ref).sum(), (h, w))
+    gh, gw = torch.autograd.grad((coef * got).sum(), (h, w))
+    assert torch.allclose(gh, gh_ref, rtol=0, atol=1e-14)
+    assert torch.allclose(gw, gw_ref, rtol=0, atol=1e-14)
+
+
+def test_target_logprobs_gradcheck_and_repeated_rows():
+    g = torch.Generator().manual_seed(1)
+    h_base = torch.randn(3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    rows = torch.tensor([0, 0, 2, 1, 0])  # a branch point's hidden state predicts several targets
+    t = torch.tensor([1, 5, 0, 3, 1])
+    assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h[rows], w, t, chunk_rows=2), (h_base, w))
+
+
+def test_target_logprobs_empty_rows_keep_graph():
+    w = torch.randn(6, 4, requires_grad=True)
+    out = target_logprobs(torch.zeros(0, 4, requires_grad=True), w, torch.zeros(0, dtype=torch.long))
+    assert out.shape == (0,)
+    out.sum().backward()
+    assert w.grad is not None and float(w.grad.abs().sum()) == 0.0
+
+
+def _pack():
+    seqs = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4], [1, 2]]  # branch at 2, a duplicate, a prefix of another
+    masks = [[1, 1, 0, 1], [0, 1, 1], [1, 1, 1, 1], [1, 0]]
+    return build_pack(rollouts_from(seqs, masks=masks, advantages=[1.0, -1.0, 0.5, 2.0]))
+
+
+def test_loss_rows_of_a_pack():
+    pack = _pack()
+    rows = LossRows.from_pack(pack)
+    # a sequence's first token is never a target, whatever its mask
+    per_seq = {pack.seq_ids[s]: int(n) for s, n in enumerate(rows.loss_tokens_S)}
+    assert per_seq == {0: 2, 1: 2, 2: 3, 3: 0}
+    assert rows.n_rows == 7 and rows.n_sequences_with_loss == 3
+    for r in range(rows.n_rows):
+        s, f = rows.seq_R[r], rows.flat_R[r]
+        assert pack.seq_offsets[s] < f < pack.seq_offsets[s + 1]
+        assert rows.token_R[r] == pack.seq_token_index[f]
+    assert rows.behaviour_logp_R is None
+    assert np.allclose(rows.advantage_S, [pack.advantages[s] for s in range(pack.n_sequences)])
+
+
+def test_normalisations():
+    rows = LossRows.from_pack(_pack())
+    totals = BatchTotals(loss_tokens=14, sequences=6)  # as if the global batch had another pack like it
+    w_tok = row_weights(rows, totals, "token")
+    assert np.allclose(w_tok, 1 / 14)
+    w_seq = row_weights(rows, totals, "sequence")
+    per_seq = np.bincount(rows.seq_R, weights=w_seq, minlength=4)
+    assert np.allclose(per_seq[rows.loss_tokens_S > 0], 1 / 6) and per_seq[rows.loss_tokens_S == 0].sum() == 0
+    with pytest.raises(ConfigError, match="normalization"):
+        row_weights(rows, totals, "batch")
+
+
+def test_fast_path_weights_are_the_row_weights_summed_per_token():
+    pack = _pack()
+    rows = LossRows.from_pack(pack)
+    totals = BatchTotals.of([rows])
+    for norm in ("token", "sequence"):
+        token_U, w_U = token_weights_fast(pack, rows, totals, norm)
+        expect = np.bincount(rows.token_R, weights=row_weights(rows, totals, norm), minlength=pack.n_tokens)
+        assert np.allclose(w_U, expect[token_U]) and np.allclose(expect.sum(), w_U.sum())
+
+
+def test_grpo_clip_semantics():
+    obj = Objective("grpo", clip_low=0.2, clip_high=0.3)
+    logp = torch.log(torch.tensor([1.5, 1.5, 0.5, 0.5, 1.0], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0], dtype=torch.float64)
+    behaviour = torch.zeros(5, dtype=torch.float64)  # ratios 1.5, 1.5, 0.5, 0.5, 1.0
+    loss_R = obj.grpo_row_loss(logp, adv, behaviour, None)
+    # A > 0: min(r, 1.3) A; A < 0: max(r, 0.8) A (pessimistic)
+    assert torch.allclose(loss_R, -torch.tensor([1.3, -1.5, 0.5, -0.8, 2.0], dtype=torch.float64))
+    (grad,) = torch.autograd.grad(loss_R.sum(), logp)
+    # clipped rows carry no gradient; unclipped rows d(-rA)/dlogp = -rA
+    assert torch.allclose(grad, torch.tensor([0.0, 1.5, -0.5, 0.0, -2.0], dtype=torch.float64))
+    assert obj.clip_fraction(logp, behaviour) == pytest.approx(4 / 5)
+
+
+def test_grpo_on_policy_without_behaviour_logprobs():
+    obj = Objective("grpo")
+    logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([0.5, -3.0], dtype=torch.float64)
+    w = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    loss = obj.loss(logp, w, adv)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(-(0.5 * 0.5 - 3.0 * 0.5))  # ratio 1
+    assert torch.allclose(grad, -w * adv)  # the policy gradient
+
+
+def test_kl_term_k3():
+    obj = Objective("grpo", kl_coef=0.1)
+    logp = torch.tensor([-1.0, -1.0], dtype=torch.float64)
+    adv = torch.zeros(2, dtype=torch.float64)
+    ref = torch.tensor([-1.0, -1.5], dtype=torch.float64)
+    loss_R = obj.grpo_row_loss(logp, adv, logp, ref)
+    delta = ref - logp
+    assert torch.allclose(loss_R, 0.1 * (torch.exp(delta) - delta - 1))
+    assert loss_R[0] == 0 and loss_R[1] > 0
+
+
+def test_objective_checks():
+    with pytest.raises(ConfigError, match="loss kind"):
+        Objective("dpo")
+    with pytest.raises(ConfigError, match="clip range"):
+        Objective("grpo", clip_low=1.0)
+    rows = LossRows.from_pack(build_pack(rollouts_from([[1, 2, 3]])))
+    with pytest.raises(TreepackError, match="advantages"):
+        Objective("grpo").row_tensors(rows, BatchTotals.of([rows]), device="cpu", dtype=torch.float64)
+
+
+def test_group_advantages():
+    r = rollouts_from([[1, 2], [1, 3], [4, 5], [4, 6], [4, 7]], groups=["a", "a", "b", "b", "b"])
+    r.rewards = np.array([1.0, 0.0, 2.0, 2.0, 5.0])
+    packs = [build_pack(r, [0, 1, 2]), build_pack(r, [3, 4])]  # group b spans two packs of one batch
+    out = group_advantages(packs)
+    adv = {(p.seq_groups[s], float(p.rewards[s])): float(p.advantages[s]) for p in out for s in range(p.n_sequences)}
+    assert adv[("a", 1.0)] == pytest.approx(1.0, abs=1e-5) and adv[("a", 0.0)] == pytest.approx(-1.0, abs=1e-5)
+    b = np.array([2.0, 2.0, 5.0])
+    assert adv[("b", 5.0)] == pytest.approx((5 - b.mean()) / (b.std() + 1e-6))
+    r.rewards = np.array([1.0, np.nan, 2.0, 2.0, 5.0])
+    with pytest.raises(TreepackError, match="needs a reward for every sequence; sequence 1 has none"):
+        group_advantages([build_pack(r)])

@@ -1,0 +1,206 @@
+"""``treepack train`` and ``treepack verify`` from the command line: config errors (exact message and exit
+code), the example config, a 3-step CPU run against a golden loss curve, memorisation, resume, verify."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import run
+from treepack.train.config import EXAMPLE_CONFIG, RunConfig, parse_config
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "train_loss.json"
+LINE = re.compile(r"^step \d{5} \| loss \d+\.\d{3} \| tokens [\d.]+[kMG]? \| tok/s [\d.]+[kMG]? \| "
+                  r"flat tok/s [\d.]+[kMG]? \| mem \d+\.\d GB$")
+
+# A memorisation set: 3 prompts x 3 answers sharing the prompt (and one duplicate), small vocabulary.
+PROMPTS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 10, 11]]
+ANSWERS = [[12, 13, 14, 15], [16, 17, 18, 19, 20], [12, 13, 21, 22, 23]]
+
+
+def write_rollouts(path: Path) -> Path:
+    lines = []
+    for t, prompt in enumerate(PROMPTS):
+        for a, answer in enumerate(ANSWERS + [ANSWERS[0]]):
+            lines.append(json.dumps({"tree_id": t, "id": f"{t}/{a}", "input_ids": prompt + answer,
+                                     "loss_mask": [0] * len(prompt) + [1] * len(answer), "reward": float(a % 2)}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+CONFIG = """\
+[model]
+hidden_size = 32
+intermediate_size = 64
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2
+head_dim = 8
+
+[data]
+rollouts = ["rollouts.jsonl"]
+capacity = "40"
+packs_per_step = 2
+
+[train]
+mode = "{mode}"
+steps = {steps}
+lr = {lr}
+dtype = "{dtype}"
+device = "cpu"
+seed = 0
+{extra}
+[output]
+dir = "{out}"
+{output_extra}
+"""
+
+
+def write_config(tmp_path: Path, *, mode="tree", steps=3, lr=3e-3, dtype="float64", out="run", extra="",
+                 output_extra="") -> Path:
+    write_rollouts(tmp_path / "rollouts.jsonl")
+    path = tmp_path / "config.toml"
+    path.write_text(CONFIG.format(mode=mode, steps=steps, lr=lr, dtype=dtype, out=out, extra=extra,
+                                  output_extra=output_extra))
+    return path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------------------------------
+# config errors: exact messages, exit code 1
+
+
+@pytest.mark.parametrize("body,message", [
+    ("[data]\nshards = 'p'\n[train]\nlrr = 0.1\n", "config.toml: unknown key 'train.lrr' (did you mean 'train.lr'?)"),
+    ("[data]\nshards = 'p'\n[train.loss]\nkind = 'sft'\nclip_hihg = 0.3\n",
+     "config.toml: unknown key 'train.loss.clip_hihg' (did you mean 'train.loss.clip_high'?)"),
+    ("[data]\nshards = 'p'\n[modle]\n", "config.toml: unknown key 'modle' (did you mean 'model'?)"),
+    ("[data]\nshards = 'p'\n[train]\nlr = 'fast'\n", "config.toml: train.lr must be a number, got 'fast'"),
+    ("[data]\nshards = 'p'\n[train]\nsteps = 0\n", "config.toml: train.steps must be > 0, got 0"),
+    ("[data]\nshards = 'p'\n[train]\nmode = 'flat'\n",
+     "config.toml: train.mode must be one of tree, dense, dfs, got 'flat'"),
+    ("[train]\nsteps = 3\n", "config.toml: missing [data] section (data.shards or data.rollouts)"),
+    ("[data]\nshards = 'p'\nrollouts = ['r.jsonl']\n",
+     "config.toml: data: set exactly one of data.shards (a packed directory) or data.rollouts (files)"),
+    ("[data]\nshards = 'p'\ncapacity = '12q'\n",
+     "config.toml: invalid data.capacity '12q': expected an integer or a number with k/K/M/G, e.g. 60k"),
+    ("[data\nshards = 'p'\n", None),
+])
+def test_config_errors(tmp_path, monkeypatch, body, message):
+    monkeypatch.chdir(tmp_path)
+    Path("config.toml").write_text(body)
+    r = run("train", "config.toml")
+    assert r.code == 1 and r.out == ""
+    if message is None:
+        assert r.err.startswith("Error: config.toml: invalid TOML (")
+    else:
+        assert r.err == f"Error: {message}\n"
+
+
+def test_missing_config_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = run("train", "nope.toml")
+    assert (r.code, r.err) == (1, "Error: nope.toml: no such file\n")
+
+
+def test_example_config_is_the_defaults():
+    r = run("train", "--example-config")
+    assert r.code == 0 and r.out == EXAMPLE_CONFIG
+    assert parse_config(EXAMPLE_CONFIG) == RunConfig()
+
+
+# --------------------------------------------------------------------------------------------------
+# training runs
+
+
+def test_three_step_run_matches_golden(tmp_path):
+    cfg = write_config(tmp_path)
+    r = run("train", cfg)
+    assert r.code == 0, r.err
+    lines = r.out.splitlines()
+    assert all(LINE.match(line) for line in lines[:3]), lines
+    assert lines[3] == f"saved {tmp_path / 'run' / 'checkpoint'} (step 3)"
+    got = {"losses": [m["loss"] for m in metrics(tmp_path / "run")],
+           "tokens": [m["tokens"] for m in metrics(tmp_path / "run")],
+           "flat_tokens": [m["flat_tokens"] for m in metrics(tmp_path / "run")]}
+    if os.environ.get("TREEPACK_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps({"config": cfg.read_text(), **got}, indent=2) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    assert got["tokens"] == golden["tokens"] and got["flat_tokens"] == golden["flat_tokens"]
+    assert got["losses"] == pytest.approx(golden["losses"], rel=1e-6)
+    assert (tmp_path / "run" / "checkpoint" / "model.safetensors").is_file()
+
+
+def test_dense_and_tree_runs_follow_one_trajectory(tmp_path):
+    tree = write_config(tmp_path, mode="tree", out="tree")
+    assert run("train", tree).code == 0
+    dense = write_config(tmp_path, mode="dense", out="dense")
+    assert run("train", dense).code == 0
+    lt = [m["loss"] for m in metrics(tmp_path / "tree")]
+    ld = [m["loss"] for m in metrics(tmp_path / "dense")]
+    assert lt == pytest.approx(ld, rel=1e-9)
+    mt, md = metrics(tmp_path / "tree"), metrics(tmp_path / "dense")
+    assert all(a["tokens"] < b["tokens"] for a, b in zip(mt, md))  # tree forwards fewer tokens
+    assert [m["flat_tokens"] for m in mt] == [m["flat_tokens"] for m in md]
+
+
+def test_memorisation_lowers_the_loss(tmp_path):
+    cfg = write_config(tmp_path, steps=40, lr=1e-2, dtype="float32")
+    r = run("train", cfg)
+    assert r.code == 0, r.err
+    losses = [m["loss"] for m in metrics(tmp_path / "run")]
+    assert losses[-1] < 0.2 * losses[0], losses
+
+
+def test_grpo_run_uses_group_advantages(tmp_path):
+    cfg = write_config(tmp_path, steps=2, extra="[train.loss]\nkind = 'grpo'\nclip_high = 0.28\n")
+    r = run("train", cfg)
+    assert r.code == 0, r.err
+    assert all("clip_fraction" in m for m in metrics(tmp_path / "run"))
+
+
+def test_resume_continues_the_same_run(tmp_path):
+    full = write_config(tmp_path, steps=4, out="full")
+    assert run("train", full).code == 0
+    part = write_config(tmp_path, steps=4, out="part", output_extra="save_every = 2")
+    assert run("train", part, "--steps", "2").code == 0
+    r = run("train", part)
+    assert r.code == 0 and r.out.splitlines()[0] == f"resumed from {tmp_path / 'part' / 'checkpoint'} at step 2"
+    a = [m["loss"] for m in metrics(tmp_path / "full")]
+    b = [m["loss"] for m in metrics(tmp_path / "part")]
+    assert b == pytest.approx(a, rel=1e-12)
+    r = run("train", part)
+    assert r.out.splitlines()[-1] == f"nothing to do: {tmp_path / 'part'} already holds step 4"
+
+
+# --------------------------------------------------------------------------------------------------
+# verify
+
+
+def test_verify_cli_on_rollouts(tmp_path):
+    data = write_rollouts(tmp_path / "r.jsonl")
+    r = run("verify", data, "--capacity", "40", "--packs", "0", "--json", "--loss", "grpo")
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    assert out["ok"] is True and out["layout_ok"] is True
+    assert out["max_rel_grad_diff"] <= 1e-9 and set(out["losses"]) == {"dense", "tree"}
+    assert out["packs"] == 2 and out["sequences"] == 12  # trees 0 + 1 (18 + 17 tokens) fit 40, tree 2 alone
+    r = run("verify", data, "--capacity", "40")
+    assert r.code == 0 and "OK: every mode matches dense within 1e-09 relative" in r.out
+
+
+def test_verify_cli_errors(tmp_path):
+    r = run("verify", tmp_path / "missing.jsonl")
+    assert (r.code, r.err) == (1, f"Error: {tmp_path / 'missing.jsonl'}: no such file or directory\n")
+    data = write_rollouts(tmp_path / "r.jsonl")
+    r = run("verify", data, "--capacity", "5")
+    assert (r.code, r.err) == (1, "Error: sequence '0/0' has 10 tokens, more than the capacity 5\n")
+    r = run("verify", data, "--modes", "dense,flat")
+    assert (r.code, r.err) == (1, "Error: unknown mode 'flat' (modes: dense, tree, dfs)\n")

@@ -1,0 +1,549 @@
+"""Packed shards on disk: Parquet files with one row per pack (DESIGN §6) plus ``manifest.json``; the
+trainer's reader (``read_packs`` -> ``Pack``) and the exact inverse (``unpack`` -> ``Rollouts``).
+
+Row schema (T = tokens of the pack incl. padding, S = its sequences; list columns unless noted):
+- ``input_ids, position_ids, parent, subtree_end`` int32 [T]; ``scale, loss_weight`` float32 [T] (§6);
+- ``loss_mask`` int8 [T]: the loss mask every sequence through the token agrees on, or -1 where they
+  differ (a multi-turn history: trained in the turn that wrote it, context in later turns); then
+  ``seq_loss_mask`` int8 holds, sequence by sequence and root to leaf, the values at those tokens only;
+- ``logprobs`` float64 [T] + ``logprobs_mixed`` bool [T] + ``seq_logprobs`` float64: the same scheme for
+  behaviour log-probs (when the input had them; NaN where a record had none);
+- ``seq_ids`` [S] (int64 or string, see the manifest's ``id_encoding``), ``seq_index`` int64 [S] (global
+  record index: restores input order), ``seq_leaf`` int32 [S] (a sequence's path is the parent chain from
+  its leaf), and when present ``tree_ids`` [S], ``advantages``/``rewards`` float64 [S];
+- scalars: ``pack_index`` int64, ``n_real`` int32 (tokens [n_real, T) are padding), ``step`` int64 (when
+  the input has steps: a pack never crosses one), ``rank`` int32 (with ``balance``).
+A sequence's tokens are ``input_ids`` along its path, so nothing per sequence repeats the shared tokens:
+on the real tau-bench file (C = 11) the per-sequence columns are ~1% of a shard.
+
+Shards are cut by size (``256M``: uncompressed bytes of the rows, so files come out smaller) or by count
+(``1000packs``). ``read_packs`` rebuilds each sequence's path in O(its length) from the DFS layout (its
+new tokens are the run after the previous leaf, hanging off the previous path) and falls back to walking
+``parent`` when a layout does not follow that order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from treepack import __version__
+from treepack.balance import Balance, balance_packs, pack_costs
+from treepack.errors import InputError, TreepackError
+from treepack.layout import Pack, build_pack
+from treepack.packing import Packing
+from treepack.rollouts import Rollouts, Source, _ranges
+from treepack.sizes import parse_size
+from treepack.stats import DEFAULT_MODEL, TreeStats
+from treepack.tree import scope_codes
+
+SCHEMA_VERSION = 1
+FORMAT = "treepack.packs"
+MANIFEST = "manifest.json"
+DEFAULT_SHARD_SIZE = "256M"
+_SHARD_NAME = "shard-{:05d}.parquet"
+_PACKS_RE = re.compile(r"^\s*(\d+)\s*packs?\s*$")
+
+
+def parse_shard_size(text: str | int) -> tuple[str, int]:
+    """``256M`` -> ("bytes", 268435456); ``1000packs`` -> ("packs", 1000)."""
+    if isinstance(text, int):
+        return "bytes", parse_size(text, what="shard size")
+    m = _PACKS_RE.match(str(text))
+    if m:
+        n = int(m.group(1))
+        if n <= 0:
+            raise TreepackError(f"invalid shard size {text!r}: must be positive")
+        return "packs", n
+    try:
+        return "bytes", parse_size(text, what="shard size")
+    except TreepackError:
+        raise TreepackError(
+            f"invalid shard size {text!r}: expected bytes (e.g. 256M) or a number of packs (e.g. 1000packs)"
+        ) from None
+
+
+def _key_encoding(values: list) -> str:
+    """How ids / tree ids are stored: all ints -> int64, all strings -> string, a mix -> JSON strings."""
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return "int"
+    if all(isinstance(v, str) for v in values):
+        return "str"
+    return "json"
+
+
+def _encode_keys(values: list, enc: str) -> pa.Array:
+    if enc == "int":
+        return pa.array(values, type=pa.int64())
+    if enc == "str":
+        return pa.array(values, type=pa.string())
+    return pa.array([json.dumps(v) for v in values], type=pa.string())
+
+
+def _decode_keys(values, enc: str) -> list:
+    values = values.tolist() if isinstance(values, np.ndarray) else list(values)
+    return [json.loads(v) for v in values] if enc == "json" else values
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+class _ShardWriter:
+    """Accumulates pack rows column by column and flushes a Parquet file when the shard is full."""
+
+    def __init__(self, out: Path, schema: pa.Schema, limit: tuple[str, int]):
+        self.out, self.schema, self.limit = out, schema, limit
+        self.files: list[dict] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self.cols: dict[str, list] = {f.name: [] for f in self.schema}
+        self.n_rows = 0
+        self.bytes = 0
+        self.first_pack = None
+
+    def add(self, row: dict, pack_index: int) -> None:
+        if self.first_pack is None:
+            self.first_pack = pack_index
+        for name in self.cols:
+            v = row[name]
+            self.cols[name].append(v)
+            self.bytes += getattr(v, "nbytes", 8)
+        self.n_rows += 1
+        kind, n = self.limit
+        if (kind == "packs" and self.n_rows >= n) or (kind == "bytes" and self.bytes >= n):
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.n_rows:
+            return
+        arrays = []
+        for f in self.schema:
+            vals = self.cols[f.name]
+            if pa.types.is_list(f.type):
+                arrays.append(_list_array(vals, f.type))
+            elif isinstance(vals[0], pa.Array):
+                arrays.append(pa.concat_arrays(vals))
+            else:
+                arrays.append(pa.array(vals, type=f.type))
+        table = pa.Table.from_arrays(arrays, schema=self.schema)
+        name = _SHARD_NAME.format(len(self.files))
+        pq.write_table(table, self.out / name, row_group_size=64, compression="zstd")
+        self.files.append({"file": name, "packs": self.n_rows, "first_pack": self.first_pack,
+                           "bytes": (self.out / name).stat().st_size})
+        self._reset()
+
+
+def _list_array(values: list, typ: pa.DataType) -> pa.Array:
+    """One list per row from per-row numpy arrays (or Arrow arrays for keys)."""
+    lens = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        raise TreepackError("a shard exceeds 2^31 list entries: use a smaller --shard-size")
+    if isinstance(values[0], pa.Array):
+        flat = pa.concat_arrays(values) if values else pa.array([], type=typ.value_type)
+    else:
+        flat = pa.array(np.concatenate(values).astype(typ.value_type.to_pandas_dtype(), copy=False), type=typ.value_type)
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), flat, type=typ)
+
+
+def _schema(fields: dict, enc: dict, balanced: bool) -> pa.Schema:
+    i32, f32, f64 = pa.list_(pa.int32()), pa.list_(pa.float32()), pa.list_(pa.float64())
+    key = {"int": pa.list_(pa.int64()), "str": pa.list_(pa.string()), "json": pa.list_(pa.string())}
+    cols = [("pack_index", pa.int64()), ("n_real", pa.int32())]
+    if fields["step"]:
+        cols.append(("step", pa.int64()))
+    if balanced:
+        cols.append(("rank", pa.int32()))
+    cols += [("input_ids", i32), ("position_ids", i32), ("parent", i32), ("subtree_end", i32),
+             ("scale", f32), ("loss_weight", f32), ("loss_mask", pa.list_(pa.int8())),
+             ("seq_loss_mask", pa.list_(pa.int8())),
+             ("seq_ids", key[enc["seq_ids"]]), ("seq_index", pa.list_(pa.int64())), ("seq_leaf", i32)]
+    if fields["tree_id"]:
+        cols.append(("tree_ids", key[enc["tree_ids"]]))
+    if fields["advantage"]:
+        cols.append(("advantages", f64))
+    if fields["reward"]:
+        cols.append(("rewards", f64))
+    if fields["logprobs"]:
+        cols += [("logprobs", f64), ("logprobs_mixed", pa.list_(pa.bool_())), ("seq_logprobs", f64)]
+    return pa.schema(cols)
+
+
+def _consensus(tok: np.ndarray, values: np.ndarray, T: int, bits: np.ndarray | None = None):
+    """Per pack token: the value all entries (sequence, position) on it agree on, a mixed flag, and the
+    entries at mixed tokens in entry order. ``bits`` compares bit patterns (NaN-safe) instead of values."""
+    F = len(tok)
+    first = np.full(T, -1, dtype=np.int64)
+    first[tok[::-1]] = np.arange(F - 1, -1, -1)
+    cmp = values if bits is None else bits
+    differs = cmp != cmp[first[tok]]
+    mixed = np.bincount(tok, weights=differs, minlength=T) > 0
+    has = first >= 0
+    cons = np.zeros(T, dtype=values.dtype)
+    cons[has] = values[first[has]]
+    return cons, mixed, values[mixed[tok]], has
+
+
+def _row(pack: Pack, pack_index: int, step, rank, enc: dict, fields: dict) -> dict:
+    T = pack.n_tokens
+    tok = pack.seq_token_index.astype(np.int64)
+    mask_cons, mask_mixed, mask_exc, _ = _consensus(tok, pack.seq_loss_mask.astype(np.int8), T)
+    loss_mask = mask_cons.astype(np.int8)
+    loss_mask[mask_mixed] = -1
+    row = {
+        "pack_index": pack_index, "n_real": pack.n_real, "step": step, "rank": rank,
+        "input_ids": pack.input_ids, "position_ids": pack.position_ids, "parent": pack.parent,
+        "subtree_end": pack.subtree_end, "scale": pack.scale, "loss_weight": pack.loss_weight,
+        "loss_mask": loss_mask, "seq_loss_mask": mask_exc.astype(np.int8),
+        "seq_ids": _encode_keys(pack.seq_ids, enc["seq_ids"]), "seq_index": pack.seq_index.astype(np.int64),
+        "seq_leaf": pack.seq_leaf,
+    }
+    if fields["tree_id"]:
+        row["tree_ids"] = _encode_keys(pack.seq_groups, enc["tree_ids"])
+    if fields["advantage"]:
+        row["advantages"] = pack.advantages
+    if fields["reward"]:
+        row["rewards"] = pack.rewards
+    if fields["logprobs"]:
+        lp = pack.seq_logprobs.astype(np.float64)
+        cons, mixed, exc, has = _consensus(tok, lp, T, bits=lp.view(np.int64))
+        cons[~has] = np.nan  # padding
+        row["logprobs"], row["logprobs_mixed"], row["seq_logprobs"] = cons, mixed, exc
+    return row
+
+
+def write_shards(
+    rollouts: Rollouts,
+    packing: Packing,
+    out_dir: str | Path,
+    *,
+    pad_to: int | None = None,
+    shard_size: str | int = DEFAULT_SHARD_SIZE,
+    balance: int | None = None,
+    balance_cost: str = "tokens",
+    model: str = DEFAULT_MODEL,
+    group_by: str | None = None,
+    stats: TreeStats | None = None,
+    progress: Callable[[int], None] | None = None,
+    command: str | None = None,
+) -> dict:
+    """Write ``packing`` of ``rollouts`` as Parquet shards + ``manifest.json`` into ``out_dir``; return the manifest.
+
+    ``pad_to`` pads each pack to a multiple of it (block alignment; ``n_real`` marks the real tokens).
+    ``balance`` = K assigns each pack a data-parallel rank (``treepack.balance``). ``group_by`` must be the
+    one the packing used. ``progress`` is called with 1 after each pack.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise TreepackError(f"{out}: exists and is not a directory")
+    if out.is_dir() and ((out / MANIFEST).exists() or any(out.glob("shard-*.parquet"))):
+        raise TreepackError(f"{out}: already holds packed shards; remove them or choose another output directory")
+    if pad_to is not None and pad_to <= 0:
+        raise TreepackError(f"pad_to must be positive, got {pad_to}")
+    limit = parse_shard_size(shard_size)
+    out.mkdir(parents=True, exist_ok=True)
+
+    fields = {"loss_mask": rollouts.loss_mask is not None, "logprobs": rollouts.logprobs is not None,
+              "tree_id": rollouts.groups is not None, "step": rollouts.steps is not None,
+              "advantage": rollouts.advantages is not None, "reward": rollouts.rewards is not None}
+    packed = np.concatenate(packing.packs) if packing.packs else np.zeros(0, np.int64)
+    enc = {"seq_ids": _key_encoding([rollouts.ids[i] for i in packed.tolist()])}
+    if fields["tree_id"]:
+        enc["tree_ids"] = _key_encoding(rollouts.group_names)
+    bal: Balance | None = None
+    if balance is not None:
+        costs = pack_costs(packing.pack_tokens, packing.pack_attention_pairs, balance_cost, model)
+        bal = balance_packs(costs, packing.pack_steps, balance, cost=balance_cost, model=model)
+    scope, _ = scope_codes(rollouts, group_by)
+    writer = _ShardWriter(out, _schema(fields, enc, bal is not None), limit)
+    padding = 0
+    for p, index in enumerate(packing.packs):
+        pack = build_pack(rollouts, index, scope=scope, pad_to=pad_to)
+        if pack.n_real != int(packing.pack_tokens[p]):
+            raise AssertionError(f"pack {p}: layout has {pack.n_real} tokens, packing counted {int(packing.pack_tokens[p])}")
+        padding += pack.n_tokens - pack.n_real
+        step = None if packing.pack_steps is None else int(packing.pack_steps[p])
+        rank = None if bal is None else int(bal.ranks[p])
+        writer.add(_row(pack, p, step, rank, enc, fields), p)
+        if progress is not None:
+            progress(1)
+    writer.flush()
+
+    st = stats.to_dict() if stats is not None else {}
+    st.update({"capacity": packing.capacity, "strategy": packing.strategy, "n_packs": packing.n_packs,
+               "n_pack_tokens": packing.n_pack_tokens, "err": packing.err,
+               "err_speedup": 1.0 / (1.0 - packing.err) if packing.err < 1 else math.inf,
+               "packed_flat_tokens": packing.n_flat_tokens, "packed_tree_tokens": packing.n_tree_tokens,
+               "packed_por": packing.por, "padding_tokens": padding,
+               "fill": packing.n_pack_tokens / (packing.n_packs * packing.capacity) if packing.n_packs else 0.0,
+               "packing_seconds": packing.seconds})
+    manifest = {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "created_by": f"treepack {__version__}",
+        "command": command,
+        "capacity": packing.capacity,
+        "strategy": packing.strategy,
+        "pad_to": pad_to,
+        "group_by": group_by or "none",
+        "sources": [{"path": s.path, "sha256": s.sha256, "format": s.format, "n_records": s.n_records,
+                     "n_skipped": s.n_skipped} for s in rollouts.sources],
+        "counts": {"records": len(rollouts), "packed_sequences": int(len(packed)), "packs": packing.n_packs,
+                   "skipped": rollouts.n_skipped, "skipped_reasons": dict(rollouts.skipped),
+                   "oversize_skipped": packing.n_oversize_skipped, "shards": len(writer.files)},
+        "oversize_skipped": [{"record": int(i), "id": rollouts.ids[int(i)], "tokens": int(rollouts.lengths[int(i)])}
+                             for i in packing.oversize_skipped.tolist()],
+        "fields": fields,
+        "id_encoding": enc,
+        "stats": st,
+        "balance": None if bal is None else bal.to_dict(),
+        "shards": writer.files,
+    }
+    with open(out / MANIFEST, "w") as fh:
+        json.dump(manifest, fh, indent=1, allow_nan=True)
+        fh.write("\n")
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of a packed directory (checks the format and schema version)."""
+    p = Path(path)
+    f = p / MANIFEST if p.is_dir() else p
+    if not f.exists():
+        raise InputError(f"{p}: no {MANIFEST} (not a directory written by `treepack pack`)")
+    try:
+        m = json.loads(f.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{f}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if m.get("format") != FORMAT:
+        raise InputError(f"{f}: not a treepack pack manifest")
+    if m.get("schema_version") != SCHEMA_VERSION:
+        raise InputError(f"{f}: schema version {m.get('schema_version')} is not supported (this treepack reads {SCHEMA_VERSION})")
+    return m
+
+
+def _paths(parent: np.ndarray, position: np.ndarray, leaf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(seq_offsets [S+1], token_index [F]): each sequence's path, root to leaf.
+
+    In DFS preorder, with sequences taken by leaf, a sequence's tokens after the previous leaf are a run
+    ``(prev_leaf, leaf]`` hanging off the previous path at depth ``position[prev_leaf + 1]``; a layout that
+    breaks this (checked) falls back to walking ``parent``.
+    """
+    S = len(leaf)
+    lengths = position[leaf].astype(np.int64) + 1
+    offsets = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    out = np.empty(int(offsets[-1]), dtype=np.int64)
+    by_leaf = np.argsort(leaf, kind="stable").tolist()
+    leaf_l = leaf.tolist()
+    prev_leaf, prev = -1, np.zeros(0, dtype=np.int64)
+    for s in by_leaf:
+        q = leaf_l[s]
+        a, e = int(offsets[s]), int(offsets[s + 1])
+        if q == prev_leaf:
+            path = prev
+        else:
+            start = prev_leaf + 1
+            d = int(position[start]) if start <= q else -1
+            run = np.arange(start, q + 1, dtype=np.int64)
+            ok = (0 <= d <= len(prev) and d + len(run) == e - a
+                  and (d == 0 and parent[start] == -1 or d > 0 and parent[start] == prev[d - 1])
+                  and bool(np.all(parent[start + 1 : q + 1] == run[:-1])))
+            path = np.concatenate([prev[:d], run]) if ok else _walk(parent, q, e - a)
+        out[a:e] = path
+        prev_leaf, prev = q, path
+    return offsets, out
+
+
+def _walk(parent: np.ndarray, q: int, length: int) -> np.ndarray:
+    path = np.empty(length, dtype=np.int64)
+    for j in range(length - 1, -1, -1):
+        if q < 0:
+            raise InputError("corrupt pack: a sequence's parent chain is shorter than its length")
+        path[j] = q
+        q = int(parent[q])
+    if q != -1:
+        raise InputError("corrupt pack: a sequence's parent chain is longer than its length")
+    return path
+
+
+def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(values, int64 offsets) of a list column of a table."""
+    arr = table.column(name).combine_chunks()
+    offsets = np.asarray(arr.offsets, dtype=np.int64)
+    values = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    vals = values.to_numpy(zero_copy_only=False) if not pa.types.is_string(values.type) else values.to_pylist()
+    return (vals if isinstance(vals, list) else np.asarray(vals)), offsets - offsets[0]
+
+
+def _shard_files(path: Path, manifest: dict) -> list[Path]:
+    files = [path / s["file"] for s in manifest["shards"]]
+    missing = [f for f in files if not f.exists()]
+    if missing:
+        raise InputError(f"{missing[0]}: shard listed in the manifest is missing")
+    return files
+
+
+def read_packs(path: str | Path) -> Iterator[Pack]:
+    """Yield every pack of a packed directory as a ``Pack`` of numpy arrays, in pack order."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    enc = manifest["id_encoding"]
+    for f in _shard_files(path, manifest):
+        table = pq.read_table(f)
+        cols = {name: _list_column(table, name) for name in table.column_names
+                if pa.types.is_list(table.schema.field(name).type)}
+        scalars = {name: table.column(name).to_pylist() for name in table.column_names if name not in cols}
+        for r in range(table.num_rows):
+            def get(name):
+                v, o = cols[name]
+                return v[o[r] : o[r + 1]]
+
+            yield _pack_from_row(get, {k: v[r] for k, v in scalars.items()}, set(cols), enc)
+
+
+def _pack_from_row(get: Callable, scalars: dict, names: set, enc: dict) -> Pack:
+    parent = get("parent")
+    position = get("position_ids")
+    leaf = get("seq_leaf")
+    seq_offsets, token_index = _paths(parent, position, leaf)
+    mask = get("loss_mask")[token_index].astype(np.int16)
+    mixed = mask < 0
+    mask[mixed] = get("seq_loss_mask")
+    logprobs = None
+    if "logprobs" in names:
+        logprobs = get("logprobs")[token_index].astype(np.float64)
+        lp_mixed = get("logprobs_mixed")[token_index]
+        logprobs[lp_mixed] = get("seq_logprobs")
+    meta = {"pack_index": scalars["pack_index"]}
+    for k in ("step", "rank"):
+        if k in scalars:
+            meta[k] = scalars[k]
+    S = len(leaf)
+    return Pack(
+        input_ids=get("input_ids"),
+        position_ids=position,
+        parent=parent,
+        subtree_end=get("subtree_end"),
+        scale=get("scale"),
+        loss_weight=get("loss_weight"),
+        n_real=int(scalars["n_real"]),
+        seq_ids=_decode_keys(get("seq_ids"), enc["seq_ids"]),
+        seq_index=get("seq_index"),
+        seq_leaf=leaf,
+        seq_offsets=seq_offsets,
+        seq_token_index=token_index.astype(np.int32),
+        seq_loss_mask=mask.astype(np.uint8),
+        seq_logprobs=logprobs,
+        advantages=get("advantages") if "advantages" in names else None,
+        rewards=get("rewards") if "rewards" in names else None,
+        seq_groups=_decode_keys(get("tree_ids"), enc["tree_ids"]) if "tree_ids" in names else None,
+        seq_steps=np.full(S, scalars["step"], dtype=np.int64) if "step" in scalars else None,
+        meta=meta,
+    )
+
+
+def unpack(path: str | Path) -> Rollouts:
+    """Every packed record, rebuilt from the shards alone, in input order (the exact inverse of ``pack``)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    fields = manifest["fields"]
+    index, tokens, lengths, masks, lps, ids, groups, steps, advs, rews = ([] for _ in range(10))
+    for pack in read_packs(path):
+        index.append(pack.seq_index)
+        tokens.append(pack.input_ids[pack.seq_token_index])
+        lengths.append(pack.seq_lengths)
+        masks.append(pack.seq_loss_mask)
+        if pack.seq_logprobs is not None:
+            lps.append(pack.seq_logprobs)
+        ids.extend(pack.seq_ids)
+        groups.extend(pack.seq_groups or [])
+        for dst, src in ((steps, pack.seq_steps), (advs, pack.advantages), (rews, pack.rewards)):
+            if src is not None:
+                dst.append(src)
+    if not index:
+        return Rollouts(tokens=np.zeros(0, np.int32), offsets=np.zeros(1, np.int64), ids=[],
+                        sources=_sources(manifest))
+    seq_index = np.concatenate(index)
+    lens = np.concatenate(lengths)
+    flat_tok = np.concatenate(tokens)
+    order = np.argsort(seq_index, kind="stable")
+    if np.any(seq_index[order][1:] == seq_index[order][:-1]):
+        raise InputError(f"{path}: a record appears in two packs")
+    starts = np.cumsum(lens) - lens
+    gather = _ranges(starts[order], lens[order])
+    offsets = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(lens[order], out=offsets[1:])
+
+    group_codes = group_names = None
+    if fields["tree_id"]:
+        seen: dict = {}
+        group_names = []
+        group_codes = np.empty(len(order), dtype=np.int64)
+        for k, g in enumerate(groups[i] for i in order.tolist()):
+            key = (type(g).__name__, g)
+            if key not in seen:
+                seen[key] = len(group_names)
+                group_names.append(g)
+            group_codes[k] = seen[key]
+
+    def cat(parts):
+        return np.concatenate(parts)[order] if parts else None
+
+    return Rollouts(
+        tokens=flat_tok[gather].astype(np.int32),
+        offsets=offsets,
+        ids=[ids[i] for i in order.tolist()],
+        loss_mask=np.concatenate(masks)[gather].astype(np.uint8) if fields["loss_mask"] else None,
+        logprobs=np.concatenate(lps)[gather] if fields["logprobs"] else None,
+        groups=group_codes,
+        group_names=group_names,
+        steps=cat(steps) if fields["step"] else None,
+        advantages=cat(advs) if fields["advantage"] else None,
+        rewards=cat(rews) if fields["reward"] else None,
+        sources=_sources(manifest),
+        skipped=Counter(manifest["counts"].get("skipped_reasons", {})),
+    )
+
+
+def _sources(manifest: dict) -> list[Source]:
+    return [Source(path=s["path"], sha256=s["sha256"], n_records=s["n_records"], n_skipped=s["n_skipped"],
+                   format=s["format"]) for s in manifest["sources"]]
+
+
+def write_rollouts(r: Rollouts, path: str) -> None:
+    """Write a batch as JSONL (``.jsonl``, ``.jsonl.gz``, ``-`` for stdout) or Parquet (``.parquet``)."""
+    from treepack.rollouts import iter_records, to_arrow
+
+    if path.endswith((".parquet", ".pq")):
+        for what, keys in (("ids", r.ids), ("tree ids", r.group_names or [])):
+            if _key_encoding(keys) == "json":
+                raise TreepackError(f"{path}: the {what} mix strings and integers, which a Parquet column can not "
+                                    "hold; write .jsonl instead")
+        pq.write_table(to_arrow(r), path, compression="zstd")
+        return
+    import gzip
+    import sys
+
+    fh = sys.stdout if path == "-" else (gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w"))
+    try:
+        for rec in iter_records(r):
+            fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+    finally:
+        if fh is not sys.stdout:
+            fh.close()

@@ -1,0 +1,86 @@
+"""Save and resume a training run: model, optimizer and trainer state, all in safetensors + JSON.
+
+Layout of ``<output.dir>/checkpoint/``:
+- ``config.json`` + ``model.safetensors``: the model as a Hugging Face checkpoint (our parameter names are
+  theirs), loadable by `Decoder.from_pretrained` and by ``transformers``;
+- ``optimizer.safetensors``: AdamW's per-parameter state keyed ``<param name>.<state key>`` (exp_avg,
+  exp_avg_sq, step), so it survives reordering of ``model.parameters()``;
+- ``trainer.json``: the step reached, the optimizer's param-group hyper-parameters, the losses so far.
+A save writes ``checkpoint.tmp/`` and renames it over ``checkpoint/``: a run killed mid-save keeps the
+previous checkpoint intact. The data order is a pure function of (seed, step), so nothing else is needed
+to resume the exact run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from treepack.errors import ConfigError
+from treepack.train.model import Decoder
+
+CHECKPOINT_DIR = "checkpoint"
+
+
+def checkpoint_path(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINT_DIR
+
+
+def has_checkpoint(output_dir: str | Path) -> bool:
+    return (checkpoint_path(output_dir) / "trainer.json").is_file()
+
+
+def save_checkpoint(output_dir: str | Path, model: Decoder, optimizer: torch.optim.Optimizer, state: dict) -> Path:
+    """Write the checkpoint atomically (tmp dir + rename); returns its directory."""
+    from safetensors.torch import save_file
+
+    final = checkpoint_path(output_dir)
+    tmp = final.with_name(CHECKPOINT_DIR + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                t = value if torch.is_tensor(value) else torch.tensor(value)
+                tensors[f"{names[id(p)]}.{key}"] = t.detach().contiguous().cpu()
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    (tmp / "trainer.json").write_text(json.dumps({**state, "param_groups": groups}, indent=2) + "\n")
+    old = final.with_name(CHECKPOINT_DIR + ".old")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(output_dir: str | Path, model: Decoder, optimizer: torch.optim.Optimizer) -> dict:
+    """Restore model weights and optimizer state in place; returns the trainer state (``step``, ...)."""
+    from safetensors.torch import load_file
+
+    path = checkpoint_path(output_dir)
+    saved = Decoder.from_pretrained(path, dtype=model.dtype, device=model.device)
+    if saved.args != model.args:
+        raise ConfigError(f"{path}: the checkpoint's architecture differs from the configured model "
+                          "(use a new output.dir or set output.resume = false)")
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(model.named_parameters(), saved.named_parameters()):
+            p.copy_(q)
+    tensors = load_file(str(path / "optimizer.safetensors"), device=str(model.device))
+    state = json.loads((path / "trainer.json").read_text())
+    for name, p in model.named_parameters():
+        per_param = {key.rsplit(".", 1)[1]: t for key, t in tensors.items() if key.rsplit(".", 1)[0] == name}
+        if "step" in per_param:  # AdamW keeps its step count on the CPU unless capturable/fused
+            per_param["step"] = per_param["step"].cpu()
+        if per_param:
+            optimizer.state[p] = per_param
+    for group, saved_group in zip(optimizer.param_groups, state.pop("param_groups", [])):
+        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved_group.items()})
+    return state

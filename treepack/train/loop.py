@@ -1,0 +1,295 @@
+"""The training loop behind ``treepack train``: packs -> global batches -> AdamW steps, one log line each.
+
+One optimizer step = one global batch = ``data.packs_per_step`` packs. The loss normalisers (loss tokens,
+sequences) are summed over the whole batch before its first forward, and each pack back-propagates its
+share, so gradient accumulation over packs equals one backward over the batch (exact, not averaged per
+pack). The mode (tree, dense, dfs) changes only how a pack's share is computed; batches, losses,
+optimizer and logging are shared, so a tree run and a dense run of one config follow the same
+trajectory up to float rounding.
+
+Precision: ``float32``/``float64`` keep parameters and compute in that dtype; ``bfloat16`` keeps float32
+parameters and AdamW state and runs forward/backward under bf16 autocast (the default on CUDA);
+log-probs and losses are float32 (float64 for float64 models) whatever the autocast dtype.
+
+Each step prints one fixed-format line, e.g.
+``step 00042 | loss 1.234 | tokens 12.3k | tok/s 123k | flat tok/s 456k | mem 12.3 GB | mfu 41%``:
+``tokens`` are the tokens the model forwarded in the step (N_tree for tree mode), ``flat tok/s`` the
+dense-equivalent throughput (the batch's sum of sequence lengths per second), ``mem`` the peak (CUDA:
+allocated this step; CPU: the process's peak RSS) and ``mfu`` (CUDA, 16-bit only) the useful FLOPs of
+DESIGN §9's model over the device's dense bf16 peak. The same numbers go to ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from treepack.errors import ConfigError
+from treepack.layout import Pack
+from treepack.train.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from treepack.train.config import RunConfig
+from treepack.train.data import batch_indices, compact_vocab, load_packs
+from treepack.train.losses import BatchTotals, LossRows, Objective, group_advantages
+from treepack.train.model import Decoder, ModelArgs
+from treepack.train.modes import make_mode
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name substring, for MFU.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+@dataclass
+class StepStats:
+    step: int  # 1-based optimizer step
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int  # tokens the model forwarded
+    flat_tokens: int  # sum of the batch's sequence lengths (what dense training computes)
+    loss_tokens: int
+    seconds: float
+    mem_gb: float
+    mfu: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        parts = [
+            f"step {self.step:05d}",
+            f"loss {self.loss:.3f}",
+            f"tokens {human(self.tokens)}",
+            f"tok/s {human(self.tokens / self.seconds)}",
+            f"flat tok/s {human(self.flat_tokens / self.seconds)}",
+            f"mem {self.mem_gb:.1f} GB",
+        ]
+        if self.mfu is not None:
+            parts.append(f"mfu {100 * self.mfu:.0f}%")
+        return " | ".join(parts)
+
+    def to_json(self) -> dict:
+        out = {
+            "step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+            "tokens": self.tokens, "flat_tokens": self.flat_tokens, "loss_tokens": self.loss_tokens,
+            "seconds": self.seconds, "tok_per_s": self.tokens / self.seconds,
+            "flat_tok_per_s": self.flat_tokens / self.seconds, "mem_gb": self.mem_gb,
+        }
+        if self.mfu is not None:
+            out["mfu"] = self.mfu
+        return {**out, **self.extra}
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    first_step: int  # first step run by this call (1-based); > last_step when resumed at the end
+    last_step: int
+    losses: list[float]  # loss of every step of the run so far (resumed steps included)
+    stats: list[StepStats] = field(default_factory=list)  # this call's steps
+
+
+def human(x: float) -> str:
+    """3 significant digits with k/M/G: 987, 12.3k, 123k, 1.23M."""
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1.0)):
+        if abs(x) >= div or unit == "":
+            v = x / div
+            if unit == "":
+                return f"{v:.0f}"
+            return f"{v:.2f}{unit}" if abs(v) < 10 else f"{v:.1f}{unit}" if abs(v) < 100 else f"{v:.0f}{unit}"
+    return f"{x:.0f}"  # pragma: no cover
+
+
+def resolve_precision(device: str, dtype: str) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
+    """(device, parameter dtype, autocast dtype or None) for the config's device and dtype strings."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but CUDA is not available")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if dtype == "bfloat16":
+        return torch.device(device), torch.float32, torch.bfloat16
+    return torch.device(device), {"float32": torch.float32, "float64": torch.float64}[dtype], None
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Learning rate of 0-based step ``step``: linear warm-up, then constant or cosine to min_lr_ratio."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    if t.schedule == "constant":
+        return t.lr
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps - 1)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def build_model(cfg: RunConfig, packs: list[Pack], device: torch.device, dtype: torch.dtype) -> Decoder:
+    """The configured model: a local checkpoint, or a random init whose vocabulary covers the data."""
+    m = cfg.model
+    max_id = max(int(np.asarray(p.input_ids[: p.n_real]).max(initial=0)) for p in packs)
+    if m.checkpoint:
+        model = Decoder.from_pretrained(m.checkpoint, dtype=dtype, device=device)
+    else:
+        vocab = m.vocab_size or max_id + 1
+        args = ModelArgs.for_family(
+            m.family, vocab_size=vocab, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+            rope_theta=m.rope_theta, tie_embeddings=m.tie_embeddings, init_std=m.init_std,
+        )
+        model = Decoder.random_init(args, seed=cfg.train.seed, dtype=dtype, device=device)
+    if max_id >= model.args.vocab_size:
+        raise ConfigError(f"the data has token id {max_id}, outside the model's vocabulary ({model.args.vocab_size})")
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    return model
+
+
+def make_optimizer(model: Decoder, cfg: RunConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms and biases)."""
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+
+
+def _visible_pairs(pack: Pack, mode: str) -> int:
+    if mode == "dense":
+        lengths = np.diff(np.asarray(pack.seq_offsets, dtype=np.int64))
+        return int((lengths * (lengths + 1) // 2).sum())
+    n = int(pack.n_real)
+    return int((np.asarray(pack.subtree_end[:n], dtype=np.int64) - np.arange(n)).sum())
+
+
+def _step_flops(args: ModelArgs, tokens: int, predicted: int, pairs: int) -> float:
+    """DESIGN §9's FLOP model (forward + backward)."""
+    return (6.0 * args.num_params(embeddings=False) * tokens + 6.0 * args.hidden_size * args.vocab_size * predicted
+            + 12.0 * args.num_layers * args.num_heads * args.head_dim * pairs)
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def _mem_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+
+
+def train(
+    cfg: RunConfig,
+    *,
+    packs: list[Pack] | None = None,
+    log: Callable[[str], None] = print,
+) -> TrainResult:
+    """Run (or resume) the configured training; ``packs`` overrides the data section (tests, notebooks)."""
+    device, param_dtype, autocast_dtype = resolve_precision(cfg.train.device, cfg.train.dtype)
+    torch.manual_seed(cfg.train.seed)
+    if packs is None:
+        source = cfg.data.shards or cfg.data.rollouts
+        packs = load_packs(source, capacity=cfg.data.capacity_tokens)
+    if not packs:
+        raise ConfigError("the data section yields no packs")
+    out_dir = Path(cfg.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.model.compact_vocab:
+        if cfg.model.checkpoint:
+            raise ConfigError("model.compact_vocab renumbers token ids: only for random-init models, not a checkpoint")
+        packs, original_ids = compact_vocab(packs)
+        (out_dir / "vocab.json").write_text(json.dumps({"original_ids": original_ids.tolist()}) + "\n")
+    model = build_model(cfg, packs, device, param_dtype)
+    optimizer = make_optimizer(model, cfg)
+    objective = Objective(kind=cfg.train.loss.kind, normalization=cfg.train.loss.normalization,
+                          clip_low=cfg.train.loss.clip_low, clip_high=cfg.train.loss.clip_high,
+                          kl_coef=cfg.train.loss.kl_coef)
+    attention = cfg.train.attention
+    if cfg.train.mode == "dense" and attention == "auto":
+        attention = "sdpa"
+    mode = make_mode(cfg.train.mode, attention=attention, chunk_rows=cfg.train.logits_chunk,
+                     **({"dfs_block_size": cfg.train.dfs_block_size, "dfs_keep_tokens": cfg.train.dfs_keep_tokens,
+                         "dfs_order": cfg.train.dfs_order} if cfg.train.mode == "dfs" else {}))
+
+    start, losses = 0, []
+    if cfg.output.resume and has_checkpoint(out_dir):
+        state = load_checkpoint(out_dir, model, optimizer)
+        start, losses = int(state["step"]), list(state.get("losses", []))
+        log(f"resumed from {out_dir / 'checkpoint'} at step {start}")
+    metrics_file = None
+    if cfg.output.metrics:
+        metrics_file = open(out_dir / cfg.output.metrics, "a" if start else "w")
+    peak = _peak_flops(device) if autocast_dtype is not None else None
+    autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+    stats_run: list[StepStats] = []
+    params = [p for p in model.parameters()]
+
+    def save(step: int) -> None:
+        save_checkpoint(out_dir, model, optimizer, {"step": step, "losses": losses})
+
+    try:
+        for step in range(start, cfg.train.steps):
+            t0 = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            batch = [packs[i] for i in batch_indices(step, len(packs), cfg.data.packs_per_step,
+                                                     seed=cfg.train.seed, shuffle=cfg.data.shuffle)]
+            if objective.kind == "grpo":
+                batch = group_advantages(batch)
+            rows = [LossRows.from_pack(p) for p in batch]
+            totals = BatchTotals.of(rows)
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss, tokens, flops, extra = 0.0, 0, 0.0, {}
+            for pack, row in zip(batch, rows):
+                with autocast:
+                    out = mode(model, pack, row, objective, totals)
+                out.backward()
+                loss += out.loss.item()
+                tokens += out.forward_tokens
+                predicted = row.n_rows if cfg.train.mode == "dense" else int(np.unique(row.token_R).shape[0])
+                flops += _step_flops(model.args, out.forward_tokens, predicted, _visible_pairs(pack, cfg.train.mode))
+                for k, v in out.metrics.items():
+                    if isinstance(v, (int, float)):
+                        extra[k] = extra.get(k, 0.0) + v / len(batch)
+            if cfg.train.grad_clip > 0:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip))
+            else:
+                grad_norm = float(torch.linalg.vector_norm(
+                    torch.stack([p.grad.detach().norm() for p in params if p.grad is not None])))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = max(time.perf_counter() - t0, 1e-9)
+            losses.append(loss)
+            stats = StepStats(
+                step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens,
+                flat_tokens=sum(int(np.asarray(p.seq_offsets)[-1]) for p in batch),
+                loss_tokens=totals.loss_tokens, seconds=seconds, mem_gb=_mem_gb(device),
+                mfu=flops / seconds / peak if peak else None, extra=extra,
+            )
+            stats_run.append(stats)
+            if (step + 1) % cfg.output.log_every == 0 or step + 1 == cfg.train.steps:
+                log(stats.line())
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(stats.to_json()) + "\n")
+                metrics_file.flush()
+            if cfg.output.save_every and (step + 1) % cfg.output.save_every == 0 and step + 1 < cfg.train.steps:
+                save(step + 1)
+        if start < cfg.train.steps:
+            save(cfg.train.steps)
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+    return TrainResult(output_dir=out_dir, first_step=start + 1, last_step=cfg.train.steps, losses=losses,
+                       stats=stats_run)
