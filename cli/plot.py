@@ -11,16 +11,7 @@ from treepack.cli.pack import report_oversize, size_option
 from treepack.cli.stats import load_with_progress
 from treepack.errors import InputError
 from treepack.packing import OVERSIZE, STRATEGIES, pack_sequences
-from treepack.plots import (
-    DEFAULT_DPI,
-    FORMATS,
-    KINDS,
-    MAX_TREE_NODES,
-    figure,
-    save,
-    source_label,
-    write_figures,
-)
+from treepack.figure_options import DEFAULT_DPI, FORMATS, KINDS, MAX_TREE_NODES
 from treepack.tree import PrefixTree
 
 
@@ -74,6 +65,8 @@ def plot(
     if kind == "packs":
         packing = pack_sequences(rollouts, cap, strategy=strategy, group_by=group_by, oversize=oversize, tree=tree)
         report_oversize(rollouts, packing)
+    from treepack.plots import figure, save, source_label
+
     fig = figure(kind, rollouts, tree=tree, group_by=group_by, group=group, packing=packing,
                  source=source_label(files), max_nodes=max_nodes)
     path = save(fig, output, dpi=dpi)
@@ -86,6 +79,8 @@ def plot(
 def write_stats_figures(plot_dir: Path, rollouts, tree: PrefixTree, *, group_by: str, files: list[str],
                         packing=None, quiet: bool = False) -> None:
     """``treepack stats --plot DIR``: the standard set (tree, active, hist; packs with the stats' packing)."""
+    from treepack.plots import source_label, write_figures
+
     paths = write_figures(plot_dir, rollouts, tree=tree, group_by=group_by, packing=packing,
                           source=source_label(files))
     if not quiet:

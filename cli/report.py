@@ -11,8 +11,8 @@ from treepack.cli.pack import size_option
 from treepack.cli.stats import load_with_progress
 from treepack.errors import InputError
 from treepack.packing import OVERSIZE
-from treepack.plots import DEFAULT_DPI
-from treepack.report import DEFAULT_CAPACITY, REPORT_DPI, write_report
+from treepack.figure_options import DEFAULT_DPI, REPORT_DPI
+from treepack.figure_options import REPORT_CAPACITY as DEFAULT_CAPACITY
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES
 
 
@@ -48,6 +48,8 @@ def report(
     if len(rollouts) == 0:
         raise InputError("no sequences to report on")
     output.parent.mkdir(parents=True, exist_ok=True)
+    from treepack.report import write_report
+
     n_bytes = write_report(output, rollouts, files=files, group_by=group_by, capacity=cap, oversize=oversize,
                            model=model, dpi=dpi)
     if not quiet:

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
-
 from treepack.cli.common import console, handle_errors
 
 
 @handle_errors
 def train(
-    config: Optional[Path] = typer.Argument(None, help="Training config (TOML); see --example-config."),
+    config: Path | None = typer.Argument(None, help="Training config (TOML); see --example-config."),
     example_config: bool = typer.Option(False, "--example-config", help="Print a commented config template and exit."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Override train.steps."),
-    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Override output.dir."),
+    steps: int | None = typer.Option(None, "--steps", help="Override train.steps."),
+    output_dir: Path | None = typer.Option(None, "--output-dir", "-o", help="Override output.dir."),
 ) -> None:
     """Train on packed shards or rollouts: tree attention, DFS, or the dense baseline."""
     from treepack.train.config import EXAMPLE_CONFIG, load_config

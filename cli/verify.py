@@ -4,44 +4,47 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
 
 import typer
+from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
 from treepack.cli.common import console, err_console, handle_errors
+from treepack.errors import TreepackError
+
 from treepack.sizes import parse_size
 
 
 def render(report) -> None:
     t = Table(title=f"treepack verify: {report.packs} packs, {report.sequences:,} sequences, {report.dtype}, "
-                    f"{report.loss_kind} loss", title_justify="left", header_style="bold")
-    for name, justify in (("mode", "left"), ("loss", "right"), ("max rel grad diff", "right"),
-                          ("mean rel grad diff", "right"), ("max |logprob diff|", "right"), ("tokens", "right"),
-                          ("time", "right")):
+                    f"{report.loss_kind} loss", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    for name, justify in (("mode", "left"), ("loss", "right"), ("Δgrad max", "right"), ("Δgrad mean", "right"),
+                          ("Δlogp max", "right")):
         t.add_column(name, justify=justify)
     if report.dtype != "float64":
-        t.add_column("grad err vs ref", justify="right")
+        t.add_column("err vs ref", justify="right")
     for name, m in report.modes.items():
         baseline = name == "dense"
         row = [
             name,
-            "error" if m.error else f"{m.loss:.12g}",
+            "error" if m.error else f"{m.loss:.9g}",
             "baseline" if baseline else ("-" if m.error else f"{m.max_rel_grad_diff:.2e}"),
             "baseline" if baseline else ("-" if m.error else f"{m.mean_rel_grad_diff:.2e}"),
             "baseline" if baseline else ("-" if m.error else f"{m.max_logprob_diff:.2e}"),
-            f"{m.forward_tokens:,}",
-            f"{m.seconds:.1f}s",
         ]
         if report.dtype != "float64":
             row.append("-" if m.ref_rel_grad_diff is None else f"{m.ref_rel_grad_diff:.2e}")
         t.add_row(*row)
     console.print(t)
+    console.print("Δgrad: max |g_mode - g_dense| / max |g_dense| per parameter (max and mean over parameters and "
+                  "packs); Δlogp: |logp_mode - logp_dense| over (sequence, token) rows", markup=False, style="dim")
+    console.print("forwarded: " + ", ".join(f"{k} {m.forward_tokens:,} tokens in {m.seconds:.1f} s"
+                                            for k, m in report.modes.items()), markup=False)
     console.print(f"tree tokens {report.tree_tokens:,} | flat tokens {report.flat_tokens:,} | "
                   f"loss tokens {report.loss_tokens:,} | vocab {report.vocab}"
                   + (f" | advantages {report.advantages}" if report.loss_kind == "grpo" else ""), markup=False)
-    paths = "yes" if report.layout_problem_count == 0 else f"NO ({report.layout_problem_count:,} problems)"
+    n = report.layout_problem_count
+    paths = "yes" if n == 0 else f"NO ({n:,} problem{'s' if n != 1 else ''})"
     console.print(f"layout (paths = parent chains, subtree_end, positions, scale, loss_weight): {paths}",
                   markup=False)
     for p in report.layout_problems:
@@ -60,8 +63,8 @@ def render(report) -> None:
 
 @handle_errors
 def verify(
-    source: List[str] = typer.Argument(..., metavar="SHARDS_DIR", help="Packed shards directory, or rollout files (.jsonl, .jsonl.gz, .parquet) packed with --capacity."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Training config whose [model] to use (default: a tiny random model on the CPU)."),
+    source: list[str] = typer.Argument(..., metavar="SHARDS_DIR", help="Packed shards directory, or rollout files (.jsonl, .jsonl.gz, .parquet) packed with --capacity."),
+    config: Path | None = typer.Option(None, "--config", help="Training config whose [model] to use (default: a tiny random model on the CPU)."),
     modes: str = typer.Option("dense,tree", "--modes", help="Comma-separated modes; dense is the baseline and always runs."),
     dtype: str = typer.Option("float64", "--dtype", help="float64 | float32 | bfloat16 | float16."),
     loss: str = typer.Option("sft", "--loss", help="sft | grpo (advantages from the data, else synthetic)."),
@@ -80,7 +83,7 @@ def verify(
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
     cap = parse_size(capacity, what="--capacity")
 
-    import torch  # noqa: F401  (heavy imports only here)
+    import torch
 
     from treepack.train.config import load_config
     from treepack.train.data import load_packs
@@ -95,7 +98,12 @@ def verify(
     if loss not in ("sft", "grpo"):
         raise typer.BadParameter("must be sft or grpo", param_hint="--loss")
 
-    pack_list = load_packs(source, capacity=cap, max_packs=packs or None)
+    try:
+        pack_list = load_packs(source, capacity=cap, max_packs=packs or None)
+    except TreepackError as exc:  # e.g. a shard whose parent chains are broken: still a verdict for --json
+        if as_json:
+            print(json.dumps({"ok": False, "error": str(exc)}))
+        raise
     model = None
     if config is not None:
         cfg = load_config(config)

@@ -15,15 +15,15 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 HF_CASES = {
     # Qwen3: q/k norm, explicit head_dim != hidden / heads, tied head
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24, "tie_word_embeddings": True}),
     # Qwen2: q/k/v biases, untied
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     # Llama: attention and MLP biases, llama3 RoPE scaling exercised beyond its original context
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        attention_bias=True, mlp_bias=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-    )),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {
+        "attention_bias": True, "mlp_bias": True,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    }),
 }
 
 

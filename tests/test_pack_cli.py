@@ -36,7 +36,7 @@ def test_pack_then_unpack_is_exact(small, tmp_path):
     for out in ("back.jsonl", "back.parquet"):
         u = run("unpack", tmp_path / "packs", "-o", tmp_path / out)
         assert u.code == 0, u.err
-        assert u.err == f"wrote 4 records (23 tokens) to {tmp_path / out}\n"
+        assert u.err == f"wrote 4 records (19 tokens) to {tmp_path / out}\n"
     back = [json.loads(line) for line in (tmp_path / "back.jsonl").read_text().splitlines()]
     assert back == RECS
     assert read_rollouts(tmp_path / "back.parquet").ids == ["a", "b", "c", "x"]
@@ -101,7 +101,7 @@ def test_flops_balance_and_group_by(small, tmp_path):
     assert r.code == 0, r.err
     m = read_manifest(tmp_path / "p")
     assert m["balance"]["cost"] == "flops" and m["balance"]["model"] == "qwen3-1.7b" and m["group_by"] == "tree_id"
-    assert m["stats"]["n_pack_tokens"] == 15  # t1: 1 2 3 4 5, t2: 1 2 9 9 9 9 9 9 ... no sharing across groups
+    assert m["stats"]["n_pack_tokens"] == 13  # t1: 1 2 3 {4, 5}; t2: 1 2 9 9 9 9 9 9 (groups share nothing)
     assert len(m["shards"]) == m["counts"]["packs"]
 
 
@@ -110,10 +110,10 @@ def test_stats_capacity_and_gate(small):
     assert r.code == 1
     d = json.loads(r.out)
     assert (d["capacity"], d["strategy"], d["n_packs"], d["n_pack_tokens"]) == (8, "best", 2, 13)
-    assert d["err"] == pytest.approx(1 - 13 / 23)
-    assert d["gate"]["failures"] == ["err 0.4348 < --min-err 0.5 (capacity 8)"]
-    assert r.err == "gate failed: err 0.4348 < --min-err 0.5 (capacity 8)\n"
-    ok = run("stats", small, "--capacity", "1K", "--min-err", "0.4")
+    assert d["err"] == pytest.approx(1 - 13 / 19)  # x (8 tokens) fills a pack: {a, b} + {c, x}
+    assert d["gate"]["failures"] == ["err 0.3158 < --min-err 0.5 (capacity 8)"]
+    assert r.err == "gate failed: err 0.3158 < --min-err 0.5 (capacity 8)\n"
+    ok = run("stats", small, "--capacity", "1K", "--min-err", "0.4")  # one pack: N_tree = 11, ERR = 0.42
     assert ok.code == 0 and "ERR" in ok.out and ok.out.rstrip().endswith("gate passed")
 
 
@@ -144,4 +144,4 @@ def test_stats_oversize(small):
     assert (r.code, r.err) == (1, f"Error: {small}: sequence id 'x' (record 3) has 8 tokens > capacity 6; "
                                   "use --oversize skip to drop such sequences\n")
     r = run("stats", small, "--capacity", "6", "--oversize", "skip", "--json")
-    assert r.code == 0 and json.loads(r.out)["n_packs"] == 3
+    assert r.code == 0 and json.loads(r.out)["n_packs"] == 1  # a, b, c: 1 2 3 4 5 9

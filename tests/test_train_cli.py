@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from cli_helpers import run
+
 from treepack.train.config import EXAMPLE_CONFIG, RunConfig, parse_config
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "train_loss.json"
@@ -204,3 +204,42 @@ def test_verify_cli_errors(tmp_path):
     assert (r.code, r.err) == (1, "Error: sequence '0/0' has 10 tokens, more than the capacity 5\n")
     r = run("verify", data, "--modes", "dense,flat")
     assert (r.code, r.err) == (1, "Error: unknown mode 'flat' (modes: dense, tree, dfs)\n")
+
+
+def _corrupt_shard(directory: Path, column: str) -> None:
+    """Rewrite one pack of a shard with a wrong ``parent`` (a token re-hung under another node of its
+    parent's depth: chains keep their lengths) or a wrong ``subtree_end`` (one subtree widened)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = next(directory.glob("*.parquet"))
+    t = pq.read_table(f)
+    rows = t.column(column).to_pylist()
+    parent, pos = t.column("parent").to_pylist()[0], t.column("position_ids").to_pylist()[0]
+    r = rows[0]
+    if column == "parent":
+        q = next(q for q in range(len(r) - 1, 0, -1)
+                 if r[q] >= 0 and any(pos[i] == pos[r[q]] and i != r[q] for i in range(q)))
+        r[q] = next(i for i in range(q) if pos[i] == pos[parent[q]] and i != parent[q])
+    else:
+        k = next(k for k in range(len(r)) if r[k] < len(r))
+        r[k] += 1
+    rows[0] = r
+    t = t.set_column(t.schema.get_field_index(column), column, pa.array(rows, type=t.schema.field(column).type))
+    pq.write_table(t, f)
+
+
+@pytest.mark.parametrize("column", ["parent", "subtree_end"])
+def test_verify_fails_on_corrupted_shards(tmp_path, column):
+    data = write_rollouts(tmp_path / "r.jsonl")
+    assert run("pack", data, "-c", "40", "-o", tmp_path / "packs").code == 0
+    r = run("verify", tmp_path / "packs", "--packs", "0", "--json")
+    assert r.code == 0 and json.loads(r.out)["ok"] is True
+    _corrupt_shard(tmp_path / "packs", column)
+    r = run("verify", tmp_path / "packs", "--packs", "0", "--json")
+    assert r.code == 1
+    out = json.loads(r.out)
+    assert out["ok"] is False
+    assert out.get("error") or (not out["layout_ok"] and out["max_rel_grad_diff"] > 1e-9)
+    r = run("verify", tmp_path / "packs", "--packs", "0")
+    assert r.code == 1 and ("FAIL: " in r.out or r.err.startswith("Error: corrupt pack"))

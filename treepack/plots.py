@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import matplotlib
 import numpy as np
+from matplotlib.cm import ScalarMappable
 from matplotlib.collections import LineCollection, PolyCollection
 from matplotlib.colors import BoundaryNorm, LinearSegmentedColormap, LogNorm
 from matplotlib.figure import Figure
@@ -59,10 +60,7 @@ from treepack.tree import PrefixTree
 if TYPE_CHECKING:  # packing is optional for every figure but ``packs``
     from treepack.packing import Packing
 
-KINDS = ("tree", "active", "packs", "hist")
-FORMATS = ("png", "svg", "pdf")
-DEFAULT_DPI = 120  # 10 pt text is ~17 px high: readable at 100% zoom; an 11 in figure is 1320 px wide
-MAX_TREE_NODES = 250
+from treepack.figure_options import DEFAULT_DPI, FORMATS, KINDS, MAX_TREE_NODES  # noqa: E402  (re-exported)
 MAX_TREE_LABELS = 64
 
 TREE_COLOR = "#2166ac"  # tree / first-time tokens, in every figure
@@ -227,8 +225,18 @@ def _n(count: int, noun: str) -> str:
     return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
+def _share(x: float) -> str:
+    """0.2341 -> '23.4%', 0.000107 -> '0.011%': small shares keep two significant digits."""
+    return f"{x:.1%}" if x >= 0.01 or x == 0 else f"{x * 100:.2g}%"
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def _counts(nbins: int, **kw) -> MaxNLocator:
+    """Integer ticks at 1, 2, 2.5 or 5 times a power of ten (100, 200, ... rather than 80, 160, ...)."""
+    return MaxNLocator(nbins=nbins, integer=True, steps=[1, 2, 2.5, 5, 10], **kw)
 
 
 _TICKS = FuncFormatter(lambda x, _pos: _tokens(x) if x == int(x) else f"{x:g}")
@@ -254,7 +262,8 @@ def _headline(tree: PrefixTree) -> str:
 
 def _suptitle(fig: Figure, title: str, source: str | None) -> None:
     """Bold left-aligned title naming the input (unless the title already names it, as group ids often do)."""
-    fig.suptitle(title + (f" — {source}" if source and source not in title else ""), x=0.01, ha="left")
+    named = bool(source) and " + " not in source and source.split(".")[0] in title
+    fig.suptitle(title + (f" — {source}" if source and not named else ""), x=0.01, ha="left")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -477,7 +486,7 @@ def plot_tree(
 
     ax.set_xlim(0, x_max * 1.005)
     ax.set_ylim(n_rows - 0.5 + pad_rows, -0.5 - pad_rows)
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+    ax.xaxis.set_major_locator(_counts(10))
     ax.xaxis.set_major_formatter(_TICKS)
     ax.set_xlabel("position in sequence (tokens)")
     ax.spines["left"].set_visible(False)
@@ -496,7 +505,7 @@ def plot_tree(
     noun = ("leaf" if n_rows == 1 else "leaves") if not wedges else "leaves and collapsed subtrees"
     ax.set_ylabel(f"{n_rows:,} {noun} (DFS order)")
 
-    cbar = fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=SHARE_CMAP), ax=ax, pad=0.01,
+    cbar = fig.colorbar(ScalarMappable(norm=norm, cmap=SHARE_CMAP), ax=ax, pad=0.01,
                         shrink=min(1.0, 3.2 / height) if height > 4 else 0.9, aspect=18)
     cbar.set_label("sequences sharing the node")
     if isinstance(norm, BoundaryNorm):
@@ -528,6 +537,19 @@ def plot_tree(
 
 # --------------------------------------------------------------------------------------------------
 # active
+
+
+def _active_x_end(dense: np.ndarray, n_flat: int, tail_share: float = 0.002) -> int:
+    """Where the x axis of the active figure ends: at the longest sequence, unless the positions after the
+    point holding all but ``tail_share`` of N_flat span over 40% of the axis (a few outliers would squeeze
+    the curves into the left half); then 5% past that point."""
+    P = len(dense)
+    if P == 0:
+        return 0
+    tail = np.cumsum(dense[::-1])[::-1]  # tail[p] = tokens at positions >= p
+    cut = int(np.argmax(tail <= tail_share * n_flat)) if tail[-1] <= tail_share * n_flat else P
+    end = min(P, int(np.ceil(cut * 1.05)) + 1)
+    return end if end < 0.6 * P else P
 
 
 def _step_area(ax, values: np.ndarray, *, color: str, fill_alpha: float, label: str | None = None, **line) -> None:
@@ -565,12 +587,13 @@ def plot_active(tree: PrefixTree, *, source: str | None = None, scope: str | Non
                label=f"dense baseline: area = N_flat = {_n(n_flat, 'token')}")
     _step_area(ax, in_tree, color=TREE_COLOR, fill_alpha=0.30, linewidth=1.8,
                label=f"tree: area = N_tree = {_n(n_tree, 'token')}")
-    ax.set_xlim(0, max(P, 1))
+    x_end = _active_x_end(dense, n_flat)
+    ax.set_xlim(0, max(x_end, 1))
     top = max(int(dense.max(initial=0)), 1)
-    right = dense[int(P * 0.55):]
+    right = dense[int(x_end * 0.55):x_end]
     crowded = len(right) and right.mean() > 0.55 * top  # the legend's corner is under the curve: make room
     ax.set_ylim(0, top * (1.5 if crowded else 1.12))
-    ax.yaxis.set_major_locator(MaxNLocator(nbins=8, integer=True))
+    ax.yaxis.set_major_locator(_counts(8))
     ax.yaxis.set_major_formatter(_TICKS)
     ax.set_ylabel("active sequences\n(tokens computed at this position)")
     ax.grid(axis="y")
@@ -588,13 +611,18 @@ def plot_active(tree: PrefixTree, *, source: str | None = None, scope: str | Non
     ax_r.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{_tokens(v)}×"))
     ax_r.set_ylabel("sharing\n(dense / tree)")
     ax_r.set_xlabel("position in sequence (tokens)")
-    ax_r.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+    ax_r.xaxis.set_major_locator(_counts(10))
     ax_r.xaxis.set_major_formatter(_TICKS)
     ax_r.grid(axis="y", which="major")
     ax_r.set_axisbelow(True)
     ax_r.legend(loc="best", framealpha=0.95)
     _suptitle(fig, "Active sequences by position", source)
-    ax.set_title(_headline(tree) + (f" · sharing scope: {scope}" if scope else ""), loc="left", color="#333333")
+    sub = _headline(tree) + (f" · sharing scope: {scope}" if scope else "")
+    if x_end < P:
+        beyond = int(dense[x_end])
+        sub += (f"\nx axis ends at {x_end:,}: the {_n(beyond, 'longer sequence')} beyond it (up to {P:,} tokens) hold "
+                f"{dense[x_end:].sum() / max(n_flat, 1):.2%} of N_flat")
+    ax.set_title(sub, loc="left", color="#333333")
     return fig
 
 
@@ -633,8 +661,8 @@ def plot_packs(tree: PrefixTree, packing: Packing, *, source: str | None = None)
     if n <= 12:
         ax.set_xticks(x)
     else:
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
-    ax.yaxis.set_major_locator(MaxNLocator(nbins=8, integer=True))
+        ax.xaxis.set_major_locator(_counts(12))
+    ax.yaxis.set_major_locator(_counts(8))
     ax.yaxis.set_major_formatter(_TICKS)
     ax.set_xlabel("pack (in packing order)")
     ax.set_ylabel("tokens per pack")
@@ -646,7 +674,7 @@ def plot_packs(tree: PrefixTree, packing: Packing, *, source: str | None = None)
     fill = tokens.sum() / max(n * cap, 1)
     ax.set_title(
         f"{_n(n, 'pack')} · N_pack {int(tokens.sum()):,} · mean fill {fill:.1%} of capacity · duplicated prefix tokens "
-        f"{int(dup.sum()):,} ({dup.sum() / max(tokens.sum(), 1):.1%} of N_pack) · packing took {_duration(packing.seconds)}"
+        f"{int(dup.sum()):,} ({_share(dup.sum() / max(tokens.sum(), 1))} of N_pack) · packing took {_duration(packing.seconds)}"
         + (f"\n{packing.n_oversize_skipped:,} sequences longer than the capacity were left out (oversize skip)"
            if packing.n_oversize_skipped else ""),
         loc="left", color="#333333",
@@ -666,7 +694,7 @@ def _int_bars(ax, values: np.ndarray, color: str) -> None:
         ks = np.flatnonzero(counts)
         ax.bar(ks, counts[ks], width=0.8, color=color)
         ax.set_xlim(ks.min() - 0.6, vmax + 0.6)
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+        ax.xaxis.set_major_locator(_counts(12))
     else:
         bins = np.unique(np.round(np.geomspace(1, vmax + 1, 30))) - 0.5  # integer k falls in [k - .5, k + .5)
         ax.hist(values, bins=bins, color=color)
@@ -694,7 +722,7 @@ def _value_hist(ax, values: np.ndarray, color: str, *, integer: bool = True) -> 
     else:
         ax.hist(values, bins=n_bins, color=color)
     if integer and ax.get_xscale() == "linear":
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=8, integer=True, min_n_ticks=1))
+        ax.xaxis.set_major_locator(_counts(8, min_n_ticks=1))
     ax.xaxis.set_major_formatter(_TICKS)
 
 
@@ -805,7 +833,7 @@ def plot_hist(
             ax.set_xlabel(f"C per {label} (N_flat / N_tree of the group's own tree)")
             ax.set_ylabel("groups")
             ax.legend(loc="best", framealpha=0.95)
-            ax.yaxis.set_major_locator(MaxNLocator(nbins=8, integer=True))
+            ax.yaxis.set_major_locator(_counts(8))
             ax.grid(axis="y")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _p: f"{x:g}"))
         ax.set_axisbelow(True)
@@ -813,7 +841,7 @@ def plot_hist(
         if a.get_gid() == "empty":
             continue
         if a.get_yscale() == "linear":
-            a.yaxis.set_major_locator(MaxNLocator(nbins=8, integer=True))
+            a.yaxis.set_major_locator(_counts(8))
         a.yaxis.set_major_formatter(_TICKS)
         a.grid(axis="y")
         a.set_axisbelow(True)
@@ -845,8 +873,12 @@ def figure(
     source: str | None = None,
     max_nodes: int = MAX_TREE_NODES,
 ) -> Figure:
-    """The figure of ``kind`` for a batch. ``tree`` (built with ``group_by``) is reused when given;
-    ``packs`` needs a ``packing`` made with the same ``group_by``; ``tree`` draws ``group`` (a tree_id)."""
+    """The figure of ``kind`` (one of ``KINDS``) for a batch.
+
+    ``tree`` (built from ``rollouts`` with ``group_by``) is reused when given. ``tree`` draws the tree_id
+    ``group`` (default: the group whose sharing saves the most tokens) up to ``max_nodes`` nodes;
+    ``packs`` needs a ``packing`` of the same rollouts made with the same ``group_by``.
+    """
     if kind not in KINDS:
         raise TreepackError(f"unknown figure kind {kind!r}; known: {', '.join(KINDS)}")
     if len(rollouts) == 0:

@@ -32,8 +32,8 @@ from treepack.rollouts import Rollouts
 from treepack.stats import DEFAULT_MODEL, TreeStats, compute_stats
 from treepack.tree import PrefixTree
 
-DEFAULT_CAPACITY = 32 * 1024
-REPORT_DPI = 110
+from treepack.figure_options import REPORT_CAPACITY as DEFAULT_CAPACITY  # noqa: E402
+from treepack.figure_options import REPORT_DPI  # noqa: E402
 # the exact DP's time grows exponentially with the sequences of a step: ~0.01 s at 16, ~0.6 s at 24, minutes
 # (and GBs) at 48 on GRPO-shaped batches; a report must finish in seconds
 REPORT_OPTIMAL_MAX_SEQUENCES = 16

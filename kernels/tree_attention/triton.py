@@ -157,7 +157,7 @@ def _fwd_step(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _fwd_kernel(
     Q, K, V, PK, PV, O, LSE, SE, KV_LIST, KV_FULL, KV_COUNT, Q_ORDER,
     scale_log2, T, P, T_BUCKET,
@@ -271,7 +271,7 @@ def _dkdv_steps(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_KEYS"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, SE,
     scale, scale_log2, T, N_KEYS, T_BUCKET,
@@ -364,7 +364,7 @@ def _dq_step(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _bwd_dq_kernel(
     Q, K, V, PK, PV, DO, LSE, DELTA, DQ, SE, KV_LIST, KV_FULL, KV_COUNT, Q_ORDER,
     scale, scale_log2, T, P, T_BUCKET,
@@ -442,7 +442,7 @@ def _fwd_configs():
 def _dq_configs():
     return [
         triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s)
-        for bm, w, s in [(128, 8, 2), (128, 8, 3), (64, 4, 3)]
+        for bm, w, s in [(128, 8, 2), (64, 4, 3), (64, 8, 2)]
     ]
 
 
@@ -497,6 +497,27 @@ def _check_index_range(T: int, H: int, D: int) -> None:
         raise ValueError(f"the triton backend indexes with int32: T*Hq*D must be < 2^31, got T={T}, Hq={H}, D={D}")
 
 
+_STAGES_THAT_FIT: dict[tuple, int] = {}
+
+
+def _launch_fitting(kernel, grid, args, const, stages: int, **meta) -> None:
+    """Launch a pinned configuration with ``stages`` pipeline stages, or the most that fit in shared
+    memory (bigger dtypes, a P = 1 prefix or another GPU can overflow a tile chosen for bf16 on Hopper).
+    The answer is remembered per specialisation, so a failing compile is paid once."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (kernel.fn.__name__, stages, tuple(sorted({**const, **meta}.items())), args[0].dtype)
+    for s in range(_STAGES_THAT_FIT.get(key, stages), 0, -1):
+        try:
+            kernel[grid](*args, **const, **meta, num_stages=s)
+        except OutOfResources:
+            if s == 1:
+                raise
+            continue
+        _STAGES_THAT_FIT[key] = s
+        return
+
+
 def _launch_fwd(
     q_THD, k_TKD, v_TKD, pk_PKD, pv_PKD, subtree_end_T, kv_list_MN, kv_full_M, kv_count_M, q_order_M,
     scale: float, cfg: KernelConfig, warp_specialize: bool = False,
@@ -523,8 +544,8 @@ def _launch_fwd(
         _autotuned("fwd")[grid](*args, **const)
     else:
         grid = (H, M * (cfg.sched_m // cfg.fwd_block_m))
-        _fwd_kernel[grid](
-            *args, **const, BLOCK_M=cfg.fwd_block_m, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages
+        _launch_fitting(
+            _fwd_kernel, grid, args, const, cfg.fwd_stages, BLOCK_M=cfg.fwd_block_m, num_warps=cfg.fwd_warps
         )
     return o_THD, lse_HT
 
@@ -558,9 +579,9 @@ def _launch_dkdv(do_THD, q_THD, keys_NKD, values_NKD, lse_HT, delta_HT, subtree_
         _autotuned("dkdv")[grid](*args, **const)
     else:
         grid = (K, triton.cdiv(n_keys, cfg.dkdv_block_n))
-        _bwd_dkdv_kernel[grid](
-            *args, **const, BLOCK_N1=cfg.dkdv_block_n, BLOCK_M1=cfg.dkdv_block_m,
-            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        _launch_fitting(
+            _bwd_dkdv_kernel, grid, args, const, cfg.dkdv_stages,
+            BLOCK_N1=cfg.dkdv_block_n, BLOCK_M1=cfg.dkdv_block_m, num_warps=cfg.dkdv_warps,
         )
     return dk_NKD, dv_NKD
 
@@ -591,8 +612,8 @@ def _launch_dq(
         _autotuned("dq")[grid](*args, **const)
     else:
         grid = (H, M * (cfg.sched_m // cfg.dq_block_m))
-        _bwd_dq_kernel[grid](
-            *args, **const, BLOCK_M=cfg.dq_block_m, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages
+        _launch_fitting(
+            _bwd_dq_kernel, grid, args, const, cfg.dq_stages, BLOCK_M=cfg.dq_block_m, num_warps=cfg.dq_warps
         )
     return dq_THD
 

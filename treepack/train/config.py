@@ -13,13 +13,17 @@ checks that it parses and that its values are the defaults.
 from __future__ import annotations
 
 import difflib
-import tomllib
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 from treepack.errors import ConfigError, TreepackError
 from treepack.sizes import parse_size
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the backport has the same API
+    import tomli as tomllib
 
 MODES = ("tree", "dense", "dfs")
 DFS_ORDERS = ("backward", "layout")

@@ -16,8 +16,8 @@ number and a resumed run sees exactly the batches it would have seen.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 

@@ -476,6 +476,7 @@ class _Targets:
         needed[self.parent_U] = True
         return needed
 
+
     def assign(self, schedule: Schedule, n_real: int) -> None:
         """Attach each target to the step that forwards its parent with grad."""
         step_T = np.full(n_real, -1, dtype=np.int64)
@@ -488,6 +489,14 @@ class _Targets:
         self.local_U = local_T[self.parent_U]
         self.u_of_step = _group(step_U)
         self.rows_of_step = _group(step_U[self.row_u_R])
+
+
+def needed_tokens(pack: Pack, rows: LossRows) -> np.ndarray:
+    """bool [n_real]: tokens whose hidden state a loss row reads (its target's parent); what `plan` keeps."""
+    needed = np.zeros(int(pack.n_real), dtype=bool)
+    parent_R = np.asarray(pack.parent, dtype=np.int64)[rows.token_R]
+    needed[parent_R[parent_R >= 0]] = True
+    return needed
 
 
 def _group(key_X: np.ndarray) -> dict[int, np.ndarray]:

@@ -26,9 +26,9 @@ import json
 import math
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -224,8 +224,8 @@ def train(
         start, losses = int(state["step"]), list(state.get("losses", []))
         log(f"resumed from {out_dir / 'checkpoint'} at step {start}")
     metrics_file = None
-    if cfg.output.metrics:
-        metrics_file = open(out_dir / cfg.output.metrics, "a" if start else "w")
+    if cfg.output.metrics:  # closed in the finally below (the loop body is too long for a with-block)
+        metrics_file = open(out_dir / cfg.output.metrics, "a" if start else "w")  # noqa: SIM115
     peak = _peak_flops(device) if autocast_dtype is not None else None
     autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())

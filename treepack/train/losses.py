@@ -137,7 +137,7 @@ class LossRows:
         return int((self.loss_tokens_S > 0).sum())
 
     @classmethod
-    def from_pack(cls, pack: Pack) -> "LossRows":
+    def from_pack(cls, pack: Pack) -> LossRows:
         """Rows from the sequences' own fields (``seq_offsets``, ``seq_loss_mask``, ``seq_token_index``):
         a sequence's first token is never predicted, whatever its mask says."""
         offsets_S1 = np.asarray(pack.seq_offsets, dtype=np.int64)
@@ -165,7 +165,7 @@ class BatchTotals:
     sequences: int  # sequences of the batch with at least one loss row
 
     @classmethod
-    def of(cls, rows: list[LossRows]) -> "BatchTotals":
+    def of(cls, rows: list[LossRows]) -> BatchTotals:
         return cls(loss_tokens=sum(r.n_rows for r in rows), sequences=sum(r.n_sequences_with_loss for r in rows))
 
 

@@ -33,11 +33,13 @@ K key/value heads, E head dim, F MLP width, V vocabulary, S sequences.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,7 +103,7 @@ class ModelArgs:
             raise ConfigError(f"RoPE type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
 
     @classmethod
-    def for_family(cls, family: str, **sizes: Any) -> "ModelArgs":
+    def for_family(cls, family: str, **sizes: Any) -> ModelArgs:
         """Random-init architecture with the family's structural flags (Qwen3 qk-norm, Qwen2 qkv bias)."""
         flags = {"qwen3": {"qk_norm": True}, "qwen2": {"qkv_bias": True}, "llama": {}}
         if family not in flags:
@@ -109,7 +111,7 @@ class ModelArgs:
         return cls(family=family, **{**flags[family], **sizes})
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, *, source: str = "config.json") -> "ModelArgs":
+    def from_hf_config(cls, cfg: dict, *, source: str = "config.json") -> ModelArgs:
         """Map a Hugging Face ``config.json`` of the qwen3 / qwen2 / llama families onto ModelArgs."""
         model_type = cfg.get("model_type")
         if model_type not in FAMILIES:
@@ -216,7 +218,7 @@ class AttentionContext:
     segments: tuple[tuple[int, int, Tensor], ...] = ()  # reference backend: (start, end, local subtree_end)
 
     @classmethod
-    def tree(cls, subtree_end_T: Tensor, impl: str = "auto") -> "AttentionContext":
+    def tree(cls, subtree_end_T: Tensor, impl: str = "auto") -> AttentionContext:
         """Tree attention over one pack; prepares the kernel's block schedule once when it will be used."""
         from treepack.kernels import prepare
 
@@ -231,7 +233,7 @@ class AttentionContext:
 
     @classmethod
     def causal(cls, lengths: Sequence[int], impl: str = "sdpa", device: torch.device | None = None
-               ) -> "AttentionContext":
+               ) -> AttentionContext:
         """Independent causal sequences: SDPA per sequence, or the tree kernel over a forest of chains."""
         lengths = tuple(int(n) for n in lengths)
         if impl == "sdpa":
@@ -283,7 +285,7 @@ def _independent_segments(subtree_end_T: Tensor) -> tuple[tuple[int, int, Tensor
     if len(cuts) == 1:
         return ()
     cuts.append(T)
-    return tuple((a, b, subtree_end_T[a:b] - a) for a, b in zip(cuts[:-1], cuts[1:]))
+    return tuple((a, b, subtree_end_T[a:b] - a) for a, b in itertools.pairwise(cuts))
 
 
 CAUSAL_SCORE_BUDGET = 1 << 24  # score elements per SDPA call of the causal path (128 MiB in float64)
@@ -300,11 +302,12 @@ def _causal_chunk(q_HCE: Tensor, k_HSE: Tensor, v_HSE: Tensor, q0: int) -> Tenso
 
 
 def _causal_sdpa(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, lengths: Sequence[int]) -> Tensor:
-    """Causal attention within each of the concatenated sequences: one SDPA call per (sequence, query
-    chunk of at most `CAUSAL_SCORE_BUDGET` scores). Off CUDA, torch's SDPA keeps the O(L^2) probabilities
-    for backward (27 GB in float64 for the 53 sequences of two 16k-token tau-bench packs), so there each
-    call is checkpointed: memory O(chunk) at the price of recomputing the forward once."""
-    T, H, E = q_THE.shape
+    """Causal attention within each of the concatenated sequences. On CUDA: one ``is_causal`` SDPA call
+    per sequence (flash / memory-efficient kernels, O(L) memory). Elsewhere SDPA's math path keeps the
+    O(L^2) probabilities for backward (27 GB in float64 for the 53 sequences of two 16k-token tau-bench
+    packs), so there a sequence runs in query chunks of at most `CAUSAL_SCORE_BUDGET` scores, each
+    checkpointed: memory O(chunk) at the price of recomputing the forward once."""
+    T, H = q_THE.shape[:2]
     if sum(lengths) != T:
         raise ValueError(f"causal attention: sequence lengths sum to {sum(lengths)}, tokens T={T}")
     groups = H // k_TKE.shape[1]
@@ -315,7 +318,8 @@ def _causal_sdpa(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, lengths: Sequence[
         q_HLE = q_THE[start : start + n].transpose(0, 1)
         k_HLE = k_TKE[start : start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
         v_HLE = v_TKE[start : start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
-        chunk = max(1, CAUSAL_SCORE_BUDGET // (H * n))
+        # CUDA's flash / memory-efficient kernels keep O(L) state: one causal call per sequence there.
+        chunk = n if q_THE.device.type == "cuda" else max(1, CAUSAL_SCORE_BUDGET // (H * n))
         parts = []
         for q0 in range(0, n, chunk):
             q1 = min(q0 + chunk, n)
@@ -520,7 +524,7 @@ class Decoder(nn.Module):
 
     @classmethod
     def random_init(cls, args: ModelArgs, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> "Decoder":
+                    device: torch.device | str = "cpu") -> Decoder:
         """Random weights as ``transformers`` initialises them (normal(0, init_std), zero biases, unit
         norms), drawn on the CPU from ``seed`` in parameter order: identical on every device."""
         with torch.device("meta"):
@@ -539,7 +543,7 @@ class Decoder(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu") -> "Decoder":
+                        device: torch.device | str = "cpu") -> Decoder:
         """Load a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``)."""
         from safetensors import safe_open
 
@@ -565,7 +569,7 @@ class Decoder(nn.Module):
         state: dict[str, Tensor] = {}
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for key in sf.keys():
+                for key in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     name = _hf_key(key, expected)
                     if name is None:
                         continue

@@ -116,9 +116,9 @@ class TreeMode(Mode):
     def __call__(self, model, pack, rows, objective, totals) -> ModeResult:
         dev = model.device
         T = pack.n_tokens
-        ids_T = torch.as_tensor(np.asarray(pack.input_ids), dtype=torch.long, device=dev)
-        pos_T = torch.as_tensor(np.asarray(pack.position_ids), dtype=torch.long, device=dev)
-        subtree_end_T = torch.as_tensor(np.asarray(pack.subtree_end), dtype=torch.int32, device=dev)
+        ids_T = torch.tensor(np.asarray(pack.input_ids), dtype=torch.long, device=dev)
+        pos_T = torch.tensor(np.asarray(pack.position_ids), dtype=torch.long, device=dev)
+        subtree_end_T = torch.tensor(np.asarray(pack.subtree_end), dtype=torch.int32, device=dev)
         attn = AttentionContext.tree(subtree_end_T, self.attention)
         hidden_TD = model(ids_T, pos_T, attn).hidden_TD
 

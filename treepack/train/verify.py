@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -36,9 +36,9 @@ import torch
 from treepack.errors import ConfigError, TreepackError
 from treepack.layout import Pack
 from treepack.train.data import compact_vocab
+from treepack.train.dfs import merge_work
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import Decoder, ModelArgs
-from treepack.train.dfs import merge_work
 from treepack.train.modes import make_mode
 
 COMPACT_VOCAB_ABOVE = 8192
@@ -373,7 +373,8 @@ def verify_packs(
 
     failures = []
     if n_problems:
-        failures.append(f"{n_problems} layout problems (the tree fields disagree with the sequences' paths)")
+        failures.append(f"{n_problems} layout problem{'s' if n_problems != 1 else ''} "
+                        "(the tree fields disagree with the sequences' paths)")
     for name, rep in reports.items():
         if rep.error:
             failures.append(f"{name}: could not run ({rep.error})")

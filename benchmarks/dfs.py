@@ -1,0 +1,352 @@
+"""Training step of ``dfs`` vs ``tree`` vs ``dense`` vs ``dense-leaf``: time, tokens/s, peak memory, and the
+dfs work accounting (anchor overhead, model calls, live graph), side by side on the same rollouts.
+
+A step is the forward and backward of one global batch (every pack of the workload, gradients
+accumulated; the optimizer update is excluded, as in AReaL-DTA's backward ablations), bf16 weights and
+compute, GRPO loss (advantages: rewards standardised over the batch, or the data's), token-mean. Each
+(workload, mode) runs one warm-up step (Triton compiles and autotunes there), then ``--repeats`` timed
+steps; the median time and the largest ``torch.cuda.max_memory_allocated`` are reported.
+
+Modes, all over the same sequences, sharing one forest per workload (no ``tree_id`` scoping, so the
+system prompt is shared across tasks):
+- ``dfs``: `DfsMode` on one pack holding the whole workload (its memory does not grow with the tree);
+- ``tree``: `TreeMode` on the packs of ``pack_rollouts`` at ``--capacity`` tree tokens (a tree larger
+  than the capacity is split into runs of sequences, repeating their shared prefixes in each pack);
+- ``dense``: every sequence, micro-batches of whole sequences up to ``--dense-tokens`` flat tokens;
+- ``dense-leaf``: the same over the leaf sequences only (duplicates and prefix-of-another dropped: the
+  strongest simple baseline).
+
+Workloads: ``tau-bench`` is real (the first ``--tau-records`` records of the bundled slice of tau-bench
+retail, multi-turn tool use, one trajectory per task: chains whose records are prefixes of each other);
+``tau2-fits`` / ``tau2-split`` / ``tau2-think`` are synthetic (`treepack.datasets.synth`), a tree that fits
+one tree pack, one that must be split, and a comb of dropped reasoning.
+
+Targets (issue 6): dfs peak memory <= dense's peak + the K/V of the longest path; dfs throughput >= 80%
+of tree where the tree fits one pack and above tree where it must split; on tau-bench (144 records,
+Qwen3-0.6B shape, bf16) >= 2x AReaL-DTA's code (1.97 s/step at 13.4 GiB on an H200) and faster than
+dense-leaf.
+
+Usage:
+    python benchmarks/dfs.py --plan-only                      # CPU: dfs accounting only, no model
+    python benchmarks/dfs.py --out benchmarks/results/DATE-dfs.md [--workloads tau-bench,tau2-split]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "datasets" / "samples" / "tau_bench_slice.parquet"
+WORKLOADS = ("tau-bench", "tau2-fits", "tau2-split", "tau2-think")
+MODES = ("dfs", "tree", "dense", "dense-leaf")
+AREAL_DTA = {"seconds": 1.97, "gib": 13.4}  # AReaL-DTA's code on tau-bench 144 records, measured on an H200
+
+
+def _import_treepack():
+    try:
+        import treepack  # noqa: F401
+    except ImportError:  # a checkout that is not installed: the repository root maps onto treepack.*
+        sys.path.insert(0, str(ROOT))
+        import treepack  # noqa: F401
+
+
+_import_treepack()
+
+from treepack.layout import Pack, build_pack  # noqa: E402
+from treepack.rollouts import Rollouts, read_rollouts  # noqa: E402
+from treepack.train.data import pack_rollouts  # noqa: E402
+from treepack.train.dfs import DfsMode, merge_work, needed_tokens  # noqa: E402
+from treepack.train.losses import BatchTotals, LossRows, Objective  # noqa: E402
+from treepack.train.model import ModelArgs  # noqa: E402
+
+QWEN3_0_6B = ModelArgs.for_family("qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                  num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                                  tie_embeddings=True)
+TINY = ModelArgs.for_family("qwen3", vocab_size=151936, hidden_size=64, intermediate_size=176, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=16, tie_embeddings=True)  # CPU smoke runs
+
+
+# --------------------------------------------------------------------------------------------------
+# Workloads
+
+
+def _one_forest(r: Rollouts, seed: int) -> Rollouts:
+    """No tree_id scoping; GRPO advantages from standardised rewards (or N(0, 1) without rewards)."""
+    r = dataclasses.replace(r, groups=None, group_names=None)
+    if r.advantages is None:
+        if r.rewards is not None:
+            rw = np.asarray(r.rewards, dtype=np.float64)
+            r.advantages = (rw - rw.mean()) / (rw.std() + 1e-6)
+        else:
+            r.advantages = np.random.default_rng(seed).standard_normal(len(r))
+    return r
+
+
+def workload(name: str, args) -> Rollouts:
+    if name == "tau-bench":
+        r = read_rollouts([str(args.tau_bench)])
+        return _one_forest(r.select(np.arange(min(args.tau_records, len(r)))), args.seed)
+    from treepack.datasets import synth
+
+    kind, n, overrides = {
+        "tau2-fits": ("tau2", 1, {"group_size": 4, "turns": "8,0.3,2,20"}),
+        "tau2-split": ("tau2", 2, {}),
+        "tau2-think": ("tau2", 1, {"think": True, "group_size": 4}),
+    }[name]
+    overrides = {k: (synth.LogNormal.parse(v) if isinstance(v, str) else v) for k, v in overrides.items()}
+    table = synth.generate(kind, n, seed=args.seed, **overrides)
+    import pyarrow.parquet as pq
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, f"{name}.parquet")
+        pq.write_table(table, path)
+        return _one_forest(read_rollouts([path]), args.seed)
+
+
+def leaf_sequences(whole: Pack) -> np.ndarray:
+    """Global indices of one sequence per leaf of the tree (duplicates and prefixes of another dropped)."""
+    parent_T = np.asarray(whole.parent[: whole.n_real], dtype=np.int64)
+    is_leaf_T = np.bincount(parent_T[parent_T >= 0], minlength=whole.n_real) == 0
+    leaf_S = np.asarray(whole.seq_leaf, dtype=np.int64)
+    ends_leaf = np.flatnonzero(is_leaf_T[leaf_S])
+    _, first = np.unique(leaf_S[ends_leaf], return_index=True)
+    return np.sort(np.asarray(whole.seq_index)[ends_leaf[first]])
+
+
+def micro_batches(r: Rollouts, index: np.ndarray, budget: int) -> list[Pack]:
+    """Whole sequences in input order, each batch at most ``budget`` flat tokens (a longer one alone)."""
+    packs, current, size = [], [], 0
+    for i in index.tolist():
+        n = int(r.lengths[i])
+        if current and size + n > budget:
+            packs.append(build_pack(r, np.asarray(current)))
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        packs.append(build_pack(r, np.asarray(current)))
+    return packs
+
+
+def batches(r: Rollouts, args) -> dict[str, list[Pack]]:
+    whole = build_pack(r)
+    return {
+        "dfs": [whole],
+        "tree": list(pack_rollouts(r, args.capacity)),
+        "dense": micro_batches(r, np.arange(len(r)), args.dense_tokens),
+        "dense-leaf": micro_batches(r, leaf_sequences(whole), args.dense_tokens),
+    }
+
+
+def kv_bytes_per_token(m: ModelArgs, bytes_per_value: int = 2) -> int:
+    return m.num_layers * 2 * m.num_kv_heads * m.head_dim * bytes_per_value
+
+
+# --------------------------------------------------------------------------------------------------
+# Plan only (CPU): the dfs accounting of each workload
+
+
+def plan_only(args) -> str:
+    lines = ["| workload | N_tree | N_flat | leaves | longest path | block | keep | pruned | anchor tokens "
+             "| anchor share | calls (anchor/keep/grad/release) | peak graph tokens | path K/V + grads (0.6B) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    per_token = kv_bytes_per_token(QWEN3_0_6B)
+    for name in args.workloads:
+        r = workload(name, args)
+        whole = build_pack(r)
+        rows = LossRows.from_pack(whole)
+        needed = needed_tokens(whole, rows)
+        for block in args.dfs_blocks:
+            for keep in args.dfs_keep:
+                s = DfsMode(block_size=block, keep_tokens=keep).schedule(whole, needed_T=needed)
+                share = s.anchor_tokens / (s.anchor_tokens + s.grad_tokens)
+                calls = "/".join(str(s.count(k)) for k in ("anchor", "keep", "grad", "release"))
+                lines.append(
+                    f"| {name} | {whole.n_real:,} | {int(whole.seq_offsets[-1]):,} | {s.n_leaves} | {s.max_depth:,} "
+                    f"| {block or 'unlimited'} | {keep} | {s.n_pruned:,} | {s.anchor_tokens:,} | {share:.1%} | {calls} "
+                    f"| {s.peak_graph_tokens:,} | {s.max_depth * per_token * 3 / 2**30:.2f} GiB |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU measurement
+
+
+def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int) -> dict:
+    import torch
+
+    rows = [LossRows.from_pack(p) for p in packs]
+    totals = BatchTotals.of(rows)
+    cuda = model.device.type == "cuda"
+
+    def step() -> tuple[float, int, dict]:
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        work: dict = {}
+        for pack, row in zip(packs, rows):
+            out = mode(model, pack, row, objective, totals)
+            out.backward()
+            work = merge_work(work, out.metrics)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() if cuda else 0, work
+
+    try:
+        step()  # warm-up: Triton compiles and autotunes per block shape
+        runs = [step() for _ in range(repeats)]
+    except torch.cuda.OutOfMemoryError:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        return {"oom": True}
+    return {"seconds": statistics.median(t for t, _, _ in runs), "peak": max(m for _, m, _ in runs),
+            "work": runs[-1][2], "times": [t for t, _, _ in runs]}
+
+
+def run_gpu(args) -> None:
+    import torch
+
+    from treepack.train.model import Decoder
+    from treepack.train.modes import make_mode
+
+    dev = torch.device(args.device)
+    margs = QWEN3_0_6B if args.model == "qwen3-0.6b" else TINY
+    t0 = time.perf_counter()
+    model = Decoder.random_init(margs, seed=args.seed, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                                device=dev)
+    init_s = time.perf_counter() - t0
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    objective = Objective(kind="grpo")
+    per_token = kv_bytes_per_token(margs)
+    if dev.type == "cuda":
+        import triton
+
+        gpu, triton_version = torch.cuda.get_device_name(dev), triton.__version__
+    else:
+        gpu, triton_version = "none (CPU smoke run)", "-"
+
+    head = [
+        f"# dfs vs tree vs dense training step — {dt.date.today().isoformat()}",
+        "",
+        f"GPU {gpu}; torch {torch.__version__}, triton {triton_version}, Python {sys.version.split()[0]}.",
+        f"Model: {args.model} shape ({margs.num_layers} layers, hidden {margs.hidden_size}, {margs.num_heads} q / "
+        f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), "
+        f"random init, {str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, token-mean; "
+        f"attention {args.attention}; tree capacity {args.capacity:,}; dense micro-batches <= "
+        f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median).",
+        f"Command: `python benchmarks/dfs.py {' '.join(sys.argv[1:])}` (model init {init_s:.0f} s).",
+        "",
+        "Columns: s/step = forward + backward of the whole workload; tree tok/s = N_tree / s; peak = "
+        "max_memory_allocated over the step (weights and gradients included); anchor = dfs tokens forwarded "
+        "without grad / all its forwarded tokens; calls = model calls of dfs per step.",
+        "",
+    ]
+    out_text = "\n".join(head)
+
+    def flush() -> None:
+        print(out_text, flush=True)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(out_text)
+
+    for name in args.workloads:
+        r = workload(name, args)
+        groups = batches(r, args)
+        whole = groups["dfs"][0]
+        n_tree, n_flat = whole.n_real, int(whole.seq_offsets[-1])
+        longest = int(whole.position_ids[: whole.n_real].max()) + 1
+        leaf_tokens = sum(int(p.seq_offsets[-1]) for p in groups["dense-leaf"])
+        out_text += (f"\n## {name}: {len(r)} sequences, N_tree {n_tree:,}, N_flat {n_flat:,}, dense-leaf tokens "
+                     f"{leaf_tokens:,}, longest path {longest:,} (its K/V: {longest * per_token / 2**30:.2f} GiB)\n\n"
+                     "| mode | packs | s/step | tree tok/s | vs tree | vs dense-leaf | peak GiB | anchor | calls "
+                     "| peak graph tokens |\n|---|---|---|---|---|---|---|---|---|---|\n")
+        results = {}
+        for mode_name in args.modes:
+            if mode_name == "dense" and n_flat > args.dense_max_flat:
+                results[mode_name] = {"skipped": f"N_flat {n_flat:,} > --dense-max-flat"}
+                continue
+            variants = [(b, k) for b in args.dfs_blocks for k in args.dfs_keep] if mode_name == "dfs" else [(None, 0)]
+            for block, keep in variants:
+                label = mode_name if mode_name != "dfs" else f"dfs B={block or 'inf'}" + (f" keep={keep}" if keep else "")
+                mode = make_mode(mode_name.removesuffix("-leaf"), attention=None if mode_name.startswith("dense") else args.attention,
+                                 dfs_block_size=block, dfs_keep_tokens=keep)
+                results[label] = measure(model, groups[mode_name], mode, objective, args.repeats)
+                results[label]["packs"] = len(groups[mode_name])
+                print(label, {k: v for k, v in results[label].items() if k != "work"}, flush=True)
+        tree_s = results.get("tree", {}).get("seconds")
+        leaf_s = results.get("dense-leaf", {}).get("seconds")
+        for label, res in results.items():
+            if "seconds" not in res:
+                why = "out of memory" if res.get("oom") else res.get("skipped", "")
+                out_text += f"| {label} | {res.get('packs', '-')} | {why} | | | | | | | |\n"
+                continue
+            w = res["work"]
+            out_text += (f"| {label} | {res['packs']} | {res['seconds']:.3f} | {n_tree / res['seconds'] / 1e3:,.1f}k "
+                         f"| {tree_s / res['seconds'] if tree_s else float('nan'):.2f}x "
+                         f"| {leaf_s / res['seconds'] if leaf_s else float('nan'):.2f}x | {res['peak'] / 2**30:.2f} "
+                         f"| {w['anchor_share']:.1%} | {w['model_calls']} | {w['peak_graph_tokens']:,} |\n"
+                         if "anchor_share" in w else
+                         f"| {label} | {res['packs']} | {res['seconds']:.3f} | {n_tree / res['seconds'] / 1e3:,.1f}k "
+                         f"| {tree_s / res['seconds'] if tree_s else float('nan'):.2f}x "
+                         f"| {leaf_s / res['seconds'] if leaf_s else float('nan'):.2f}x | {res['peak'] / 2**30:.2f} "
+                         f"| | | |\n")
+        if name == "tau-bench" and len(r) == 144:
+            best = min((res["seconds"], label) for label, res in results.items()
+                       if label.startswith("dfs") and "seconds" in res)
+            out_text += (f"\nAReaL-DTA's code on these 144 records: {AREAL_DTA['seconds']} s/step at "
+                         f"{AREAL_DTA['gib']} GiB (H200); best dfs here {best[1]}: {AREAL_DTA['seconds'] / best[0]:.2f}x.\n")
+        flush()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), type=lambda s: s.split(","))
+    ap.add_argument("--modes", default=",".join(MODES), type=lambda s: s.split(","))
+    ap.add_argument("--dfs-blocks", default="2048,8192", type=lambda s: [int(x) for x in s.split(",")],
+                    help="dfs_block_size values to run (0 = unlimited)")
+    ap.add_argument("--dfs-keep", default="0", type=lambda s: [int(x) for x in s.split(",")],
+                    help="dfs_keep_tokens values to run")
+    ap.add_argument("--capacity", type=int, default=32768, help="tree mode: pack capacity in tree tokens")
+    ap.add_argument("--dense-tokens", type=int, default=16384, help="dense modes: flat tokens per micro-batch")
+    ap.add_argument("--dense-max-flat", type=int, default=300_000, help="skip dense above this many flat tokens")
+    ap.add_argument("--tau-bench", type=Path, default=SAMPLE, help="tau-bench rollouts (Parquet)")
+    ap.add_argument("--tau-records", type=int, default=144)
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--model", default="qwen3-0.6b", choices=("qwen3-0.6b", "tiny"))
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (with --model tiny)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plan-only", action="store_true", help="print the dfs accounting (CPU, no model)")
+    ap.add_argument("--out", type=Path, default=None, help="write the markdown results here")
+    args = ap.parse_args(argv)
+    for w in args.workloads:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w!r} (workloads: {', '.join(WORKLOADS)})")
+    for m in args.modes:
+        if m not in MODES:
+            ap.error(f"unknown mode {m!r} (modes: {', '.join(MODES)})")
+    if args.plan_only:
+        text = plan_only(args)
+        print(text, end="")
+        if args.out:
+            args.out.write_text(text)
+        return
+    run_gpu(args)
+
+
+if __name__ == "__main__":
+    main()
