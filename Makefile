@@ -36,6 +36,7 @@ bench-packing: install
 bench-gpu: install
 	$(PY) benchmarks/attention.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/dfs.py --out benchmarks/results/$$(date +%F)-dfs.md
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -26,7 +26,7 @@ of tree where the tree fits one pack and above tree where it must split; on tau-
 Qwen3-0.6B shape, bf16) >= 2x AReaL-DTA's code (1.97 s/step at 13.4 GiB on an H200) and faster than
 dense-leaf.
 
-Usage:
+Usage (with treepack installed, ``pip install -e .``):
     python benchmarks/dfs.py --plan-only                      # CPU: dfs accounting only, no model
     python benchmarks/dfs.py --out benchmarks/results/DATE-dfs.md [--workloads tau-bench,tau2-split]
 """
@@ -52,22 +52,13 @@ MODES = ("dfs", "tree", "dense", "dense-leaf")
 AREAL_DTA = {"seconds": 1.97, "gib": 13.4}  # AReaL-DTA's code on tau-bench 144 records, measured on an H200
 
 
-def _import_treepack():
-    try:
-        import treepack  # noqa: F401
-    except ImportError:  # a checkout that is not installed: the repository root maps onto treepack.*
-        sys.path.insert(0, str(ROOT))
-        import treepack  # noqa: F401
 
-
-_import_treepack()
-
-from treepack.layout import Pack, build_pack  # noqa: E402
-from treepack.rollouts import Rollouts, read_rollouts  # noqa: E402
-from treepack.train.data import pack_rollouts  # noqa: E402
-from treepack.train.dfs import DfsMode, merge_work, needed_tokens  # noqa: E402
-from treepack.train.losses import BatchTotals, LossRows, Objective  # noqa: E402
-from treepack.train.model import ModelArgs  # noqa: E402
+from treepack.layout import Pack, build_pack
+from treepack.rollouts import Rollouts, read_rollouts
+from treepack.train.data import pack_rollouts
+from treepack.train.dfs import DfsMode, merge_work
+from treepack.train.losses import BatchTotals, LossRows, Objective
+from treepack.train.model import ModelArgs
 
 QWEN3_0_6B = ModelArgs.for_family("qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                                   num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
@@ -157,24 +148,22 @@ def kv_bytes_per_token(m: ModelArgs, bytes_per_value: int = 2) -> int:
 
 
 def plan_only(args) -> str:
-    lines = ["| workload | N_tree | N_flat | leaves | longest path | block | keep | pruned | anchor tokens "
-             "| anchor share | calls (anchor/keep/grad/release) | peak graph tokens | path K/V + grads (0.6B) |",
+    lines = [("| workload | N_tree | N_flat | leaves | longest path | block | keep | pruned | anchor tokens "
+              "| anchor share | calls (anchor/keep/grad/release) | peak graph tokens | path K/V + grads (0.6B) |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     per_token = kv_bytes_per_token(QWEN3_0_6B)
     for name in args.workloads:
         r = workload(name, args)
         whole = build_pack(r)
         rows = LossRows.from_pack(whole)
-        needed = needed_tokens(whole, rows)
-        for block in args.dfs_blocks:
-            for keep in args.dfs_keep:
-                s = DfsMode(block_size=block, keep_tokens=keep).schedule(whole, needed_T=needed)
-                share = s.anchor_tokens / (s.anchor_tokens + s.grad_tokens)
-                calls = "/".join(str(s.count(k)) for k in ("anchor", "keep", "grad", "release"))
-                lines.append(
-                    f"| {name} | {whole.n_real:,} | {int(whole.seq_offsets[-1]):,} | {s.n_leaves} | {s.max_depth:,} "
-                    f"| {block or 'unlimited'} | {keep} | {s.n_pruned:,} | {s.anchor_tokens:,} | {share:.1%} | {calls} "
-                    f"| {s.peak_graph_tokens:,} | {s.max_depth * per_token * 3 / 2**30:.2f} GiB |")
+        for block, keep in args.dfs:
+            s = DfsMode(block_size=block, keep_tokens=keep).schedule(whole, rows)
+            share = s.anchor_tokens / (s.anchor_tokens + s.grad_tokens)
+            calls = "/".join(str(s.count(k)) for k in ("anchor", "keep", "grad", "release"))
+            lines.append(
+                f"| {name} | {whole.n_real:,} | {int(whole.seq_offsets[-1]):,} | {s.n_leaves} | {s.max_depth:,} "
+                f"| {block or 'unlimited'} | {keep} | {s.n_pruned:,} | {s.anchor_tokens:,} | {share:.1%} | {calls} "
+                f"| {s.peak_graph_tokens:,} | {s.max_depth * per_token * 3 / 2**30:.2f} GiB |")
     return "\n".join(lines) + "\n"
 
 
@@ -241,16 +230,16 @@ def run_gpu(args) -> None:
         f"# dfs vs tree vs dense training step — {dt.date.today().isoformat()}",
         "",
         f"GPU {gpu}; torch {torch.__version__}, triton {triton_version}, Python {sys.version.split()[0]}.",
-        f"Model: {args.model} shape ({margs.num_layers} layers, hidden {margs.hidden_size}, {margs.num_heads} q / "
-        f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), "
-        f"random init, {str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, token-mean; "
-        f"attention {args.attention}; tree capacity {args.capacity:,}; dense micro-batches <= "
-        f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median).",
+        (f"Model: {args.model} shape ({margs.num_layers} layers, hidden {margs.hidden_size}, {margs.num_heads} q / "
+         f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), random init, "
+         f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
+         f"token-mean; attention {args.attention}; tree capacity {args.capacity:,}; dense micro-batches <= "
+         f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
         f"Command: `python benchmarks/dfs.py {' '.join(sys.argv[1:])}` (model init {init_s:.0f} s).",
         "",
-        "Columns: s/step = forward + backward of the whole workload; tree tok/s = N_tree / s; peak = "
-        "max_memory_allocated over the step (weights and gradients included); anchor = dfs tokens forwarded "
-        "without grad / all its forwarded tokens; calls = model calls of dfs per step.",
+        ("Columns: s/step = forward + backward of the whole workload; tree tok/s = N_tree / s; peak = "
+         "max_memory_allocated over the step (weights and gradients included); anchor = dfs tokens forwarded "
+         "without grad / all its forwarded tokens; calls = model calls of dfs per step."),
         "",
     ]
     out_text = "\n".join(head)
@@ -277,7 +266,7 @@ def run_gpu(args) -> None:
             if mode_name == "dense" and n_flat > args.dense_max_flat:
                 results[mode_name] = {"skipped": f"N_flat {n_flat:,} > --dense-max-flat"}
                 continue
-            variants = [(b, k) for b in args.dfs_blocks for k in args.dfs_keep] if mode_name == "dfs" else [(None, 0)]
+            variants = args.dfs if mode_name == "dfs" else [(None, 0)]
             for block, keep in variants:
                 label = mode_name if mode_name != "dfs" else f"dfs B={block or 'inf'}" + (f" keep={keep}" if keep else "")
                 mode = make_mode(mode_name.removesuffix("-leaf"), attention=None if mode_name.startswith("dense") else args.attention,
@@ -312,14 +301,20 @@ def run_gpu(args) -> None:
             torch.cuda.empty_cache()
 
 
+def _dfs_variants(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        block, _, keep = item.partition(":")
+        out.append((int(block), int(keep or 0)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS), type=lambda s: s.split(","))
     ap.add_argument("--modes", default=",".join(MODES), type=lambda s: s.split(","))
-    ap.add_argument("--dfs-blocks", default="2048,8192", type=lambda s: [int(x) for x in s.split(",")],
-                    help="dfs_block_size values to run (0 = unlimited)")
-    ap.add_argument("--dfs-keep", default="0", type=lambda s: [int(x) for x in s.split(",")],
-                    help="dfs_keep_tokens values to run")
+    ap.add_argument("--dfs", default="2048,8192,2048:8192", type=_dfs_variants,
+                    help="dfs variants BLOCK[:KEEP] (dfs_block_size, 0 = unlimited; dfs_keep_tokens, default 0)")
     ap.add_argument("--capacity", type=int, default=32768, help="tree mode: pack capacity in tree tokens")
     ap.add_argument("--dense-tokens", type=int, default=16384, help="dense modes: flat tokens per micro-batch")
     ap.add_argument("--dense-max-flat", type=int, default=300_000, help="skip dense above this many flat tokens")

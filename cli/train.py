@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import typer
+
 from treepack.cli.common import console, handle_errors
 
 

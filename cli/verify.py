@@ -9,9 +9,9 @@ import typer
 from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
 from treepack.cli.common import console, err_console, handle_errors
 from treepack.errors import TreepackError
-
 from treepack.sizes import parse_size
 
 
@@ -40,6 +40,13 @@ def render(report) -> None:
                   "packs); Δlogp: |logp_mode - logp_dense| over (sequence, token) rows", markup=False, style="dim")
     console.print("forwarded: " + ", ".join(f"{k} {m.forward_tokens:,} tokens in {m.seconds:.1f} s"
                                             for k, m in report.modes.items()), markup=False)
+    for name, m in report.modes.items():
+        w = m.work
+        if "anchor_share" in w:
+            console.print(f"{name}: {w['grad_tokens']:,} tokens forwarded with grad, {w['anchor_tokens']:,} without "
+                          f"(anchors, {w['anchor_share']:.1%}), {w['backward_tokens']:,} back-propagated, "
+                          f"{w['pruned_tokens']:,} pruned; peak live graph {w['peak_graph_tokens']:,} tokens, "
+                          f"K/V cache {w['kv_rows']:,} rows; {w['model_calls']:,} model calls", markup=False)
     console.print(f"tree tokens {report.tree_tokens:,} | flat tokens {report.flat_tokens:,} | "
                   f"loss tokens {report.loss_tokens:,} | vocab {report.vocab}"
                   + (f" | advantages {report.advantages}" if report.loss_kind == "grpo" else ""), markup=False)
@@ -70,10 +77,12 @@ def verify(
     loss: str = typer.Option("sft", "--loss", help="sft | grpo (advantages from the data, else synthetic)."),
     normalization: str = typer.Option("token", "--normalization", help="token | sequence."),
     packs: int = typer.Option(2, "--packs", help="Verify the first N packs (0 = all)."),
-    capacity: str = typer.Option("8k", "--capacity", help="Pack capacity when packing rollout files."),
+    capacity: str = typer.Option("16k", "--capacity", help="Pack capacity when packing rollout files."),
     attention: str = typer.Option("auto", "--attention", help="Tree kernel: auto | reference | flex | triton."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random model (and of synthetic advantages)."),
+    dfs_block_size: int = typer.Option(2048, "--dfs-block-size", help="dfs: most tokens forwarded with grad at once (0 = unlimited)."),
+    dfs_keep_tokens: int = typer.Option(0, "--dfs-keep-tokens", help="dfs: shared segments kept with their graph instead of re-forwarded."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -86,13 +95,14 @@ def verify(
     import torch
 
     from treepack.train.config import load_config
-    from treepack.train.data import load_packs
+    from treepack.train.data import compact_vocab, load_packs
     from treepack.train.model import Decoder
     from treepack.train.modes import make_mode
     from treepack.train.verify import DTYPES, verify_packs
 
+    mode_options = {"dfs_block_size": dfs_block_size, "dfs_keep_tokens": dfs_keep_tokens}
     for m in mode_list:
-        make_mode(m)  # unknown modes fail here, before any work
+        make_mode(m, **mode_options)  # unknown modes and bad options fail here, before any work
     if dtype not in DTYPES:
         raise typer.BadParameter(f"must be one of {', '.join(DTYPES)}", param_hint="--dtype")
     if loss not in ("sft", "grpo"):
@@ -107,6 +117,8 @@ def verify(
     model = None
     if config is not None:
         cfg = load_config(config)
+        if cfg.model.compact_vocab and not cfg.model.checkpoint:
+            pack_list, _ = compact_vocab(pack_list)
         if cfg.model.checkpoint:
             model = Decoder.from_pretrained(cfg.model.checkpoint, dtype=torch.float64)
         else:
@@ -116,7 +128,8 @@ def verify(
 
     def run(progress=None):
         return verify_packs(pack_list, modes=mode_list, dtype=dtype, loss=loss, normalization=normalization,
-                            model=model, attention=attention, device=device, seed=seed, progress=progress)
+                            model=model, attention=attention, device=device, seed=seed, progress=progress,
+                            mode_options=mode_options)
 
     if quiet or as_json:
         report = run()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from strategies import rollouts_from
 
+from strategies import rollouts_from
 from treepack.errors import ConfigError, TreepackError
 from treepack.layout import build_pack
 from treepack.train.losses import (
@@ -119,6 +119,15 @@ def test_grpo_on_policy_without_behaviour_logprobs():
     (grad,) = torch.autograd.grad(loss, logp)
     assert loss.item() == pytest.approx(-(0.5 * 0.5 - 3.0 * 0.5))  # ratio 1
     assert torch.allclose(grad, -w * adv)  # the policy gradient
+
+
+def test_grpo_rows_without_behaviour_logprobs_are_on_policy():
+    obj = Objective("grpo")
+    logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    behaviour = torch.tensor([float("nan"), -1.0], dtype=torch.float64)  # the first record had none
+    loss_R = obj.grpo_row_loss(logp, adv, behaviour, None)
+    assert loss_R[0].item() == -1.0 and loss_R[1].item() == pytest.approx(-min(np.exp(-1.0), 1.2))
 
 
 def test_kl_term_k3():

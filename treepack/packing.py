@@ -44,16 +44,19 @@ from typing import Callable
 import numpy as np
 
 from treepack.errors import CapacityError, TreepackError
+from treepack.multipath import BudgetExceeded, TreeView, solve
 from treepack.rollouts import Rollouts
 from treepack.tree import PrefixTree, scope_codes
 
 STRATEGIES = ("best", "first-fit", "dfs", "optimal")
 OVERSIZE = ("error", "skip")
-# The exact DP's state space grows exponentially: measured on random trees at tight capacities (2 cores),
-# 10 sequences per step take <= 0.05 s, 14 <= 1 s, 16 up to several seconds. Above this it is refused.
+# The exact DP is exponential: refused above this many sequences per step, and above OPTIMAL_BUDGET
+# assignments tried (the real bound: deep trees with varied lengths blow up sooner than random ones).
 OPTIMAL_MAX_SEQUENCES = 20
-OPTIMAL_MAX_STATES = 200_000  # safety net inside the DP (a step of <= 16 sequences stays far below)
-BEST_OPTIMAL_MAX_SEQUENCES = 10  # `best` also runs the exact DP on steps this small (<= ~50 ms each)
+OPTIMAL_BUDGET = 2_000_000
+BEST_EXACT_BUDGET = 20_000  # `best` runs the exact DP on steps of <= OPTIMAL_MAX_SEQUENCES within this budget
+BEAM = 4  # states kept per node by the beam DP in `best`
+BEAM_MAX_SEQUENCES = 20_000  # the beam DP runs on steps up to this size
 
 
 @dataclass
@@ -650,7 +653,32 @@ def _renumber(f: _Forest, labels: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------------
-# optimal: Tree Training's multi-path DP (Appendix A.2), exact
+# optimal (and the beam of it that `best` uses): Tree Training's multi-path DP, see treepack.multipath
+
+
+def step_views(f: _Forest) -> list[TreeView]:
+    """The nodes of each step as a ``multipath.TreeView`` (with the per-node lower bound of extra tokens)."""
+    t = f.t
+    C = f.C
+    size = t.node_end - t.node_start
+    lbx = t.node_len * (-(-size // (C - t.node_depth)) - 1)
+    csum = np.r_[0, np.cumsum(lbx)]
+    lbx_sub = (csum[f.subtree_end_node()] - csum[: t.n_nodes]).tolist()
+    kids = f.children()
+    en = f.end_node
+    starts = np.flatnonzero(np.r_[True, en[1:] != en[:-1]]) if f.n else np.zeros(0, np.int64)
+    bounds = np.r_[starts, f.n]
+    ends = {int(en[a]): tuple(range(int(a), int(e))) for a, e in zip(bounds[:-1], bounds[1:])}
+    nb = f.node_batch()
+    w, depth, size_l = t.node_len.tolist(), t.node_depth.tolist(), size.tolist()
+    views = []
+    node_bounds = np.searchsorted(nb, np.arange(len(f.batch_bounds)))  # nodes of a batch are contiguous
+    for b in range(len(f.batch_bounds) - 1):
+        lo, hi = int(node_bounds[b]), int(node_bounds[b + 1])
+        roots = [v for v in range(lo, hi) if t.node_parent[v] < 0]
+        views.append(TreeView(kids=kids, roots=roots, w=w, depth=depth, size=size_l, ends=ends, lbx_sub=lbx_sub,
+                              order=list(range(hi - 1, lo - 1, -1))))
+    return views
 
 
 def optimal_labels(f: _Forest, max_sequences: int = OPTIMAL_MAX_SEQUENCES) -> np.ndarray:
@@ -661,128 +689,33 @@ def optimal_labels(f: _Forest, max_sequences: int = OPTIMAL_MAX_SEQUENCES) -> np
             f"strategy 'optimal' is an exact exponential-time DP, limited to {max_sequences} sequences per step; "
             f"this input has a step of {int(sizes.max()):,} sequences (use strategy 'best')"
         )
-    upper = [_per_batch(f, lab)[0] for lab in (bottom_up_labels(f)[0], contiguous_cut(f, np.arange(f.n)))]
-    return _optimal_into(f, np.arange(len(sizes)), np.minimum(*upper), np.zeros(f.n, dtype=np.int64))
-
-
-def _optimal_into(f: _Forest, batches: np.ndarray, upper: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """Replace the packs of ``batches`` in ``labels`` by optimal ones (``upper``: a known N_pack per batch)."""
-    labels = labels.copy()
-    fresh = int(labels.max(initial=-1)) + 1
-    kids = f.children()
-    nb = f.node_batch()
-    roots = np.flatnonzero(f.t.node_parent < 0)
-    for b in np.asarray(batches).tolist():
-        lo, hi = int(f.batch_bounds[b]), int(f.batch_bounds[b + 1])
-        n_tree = int(f.t.seg_start[hi] - f.t.seg_start[lo])
-        for members in _optimal_batch(f, kids, roots[nb[roots] == b].tolist(), int(upper[b]) - n_tree):
-            labels[list(members)] = fresh
-            fresh += 1
+    labels, _ = best_labels(f, exact_budget=0)
+    upper = _per_batch(f, labels)[0]
+    views = step_views(f)
+    for b, view in enumerate(views):
+        try:
+            labels = _replace_batch(f, labels, b, upper[b], view, budget=OPTIMAL_BUDGET)
+        except BudgetExceeded:
+            raise TreepackError(
+                f"strategy 'optimal': the exact DP tried more than {OPTIMAL_BUDGET:,} assignments on a step of "
+                f"{int(sizes[b]):,} sequences; the tree is too large for it (use strategy 'best')"
+            ) from None
     return _renumber(f, labels)
 
 
-def _optimal_batch(f: _Forest, kids: list[list[int]], roots: list[int], slack: int) -> list[tuple]:
-    """Packs (tuples of ranks) of one batch minimising the total union-trie tokens.
-
-    A state at node v is a tuple of bins (load, ranks), heaviest first: one bin per pack that touches v's
-    subtree, load = that pack's tokens inside the subtree. Branch and bound: a state whose repeated tokens
-    (sum of loads - tokens of the subtrees it covers) exceed ``slack`` (= a known N_pack - N_tree) is cut.
-    """
-    t = f.t
-    C = f.C
-    en = f.end_node
-    tokens = (t.node_end - t.node_start).tolist()
-    states: dict[int, list[tuple]] = {}
-    order: list[int] = []
-    stack = list(roots)
-    while stack:
-        v = stack.pop()
-        order.append(v)
-        stack.extend(kids[v])
-    n_states = 0
-    for v in reversed(order):  # children before parents
-        ends = tuple(np.flatnonzero(en == v).tolist())
-        w = int(t.node_len[v])
-        if not kids[v]:
-            states[v] = [((w, ends),)]
-            continue
-        inner = C - int(t.node_depth[v]) - w
-        partial = _combine_children([states.pop(c) for c in kids[v]], [tokens[c] for c in kids[v]], inner, slack)
-        done = []
-        for st in partial:
-            bins = [(load + w, seqs) for load, seqs in st]
-            bins[0] = (bins[0][0], bins[0][1] + ends)
-            done.append(tuple(bins))
-        states[v] = done
-        n_states += len(done)
-        if n_states > OPTIMAL_MAX_STATES:
-            raise TreepackError(
-                f"strategy 'optimal': more than {OPTIMAL_MAX_STATES:,} DP states; the tree is too large for the exact DP"
-            )
-    final = _combine_children([states.pop(r) for r in roots], [tokens[r] for r in roots], C, slack, last=True)
-    best = min(final, key=lambda st: (sum(b[0] for b in st), len(st)))
-    return [seqs for _, seqs in best]
-
-
-def _combine_children(child_states: list[list[tuple]], sizes: list[int], inner: int, slack: int,
-                      last: bool = False) -> list[tuple]:
-    """All Pareto-optimal ways to group the children's packs (one per child per parent pack) within ``inner``.
-
-    ``last``: only the cheapest grouping is wanted (the virtual root of a step).
-    """
-    partial: dict[tuple, tuple] = {(): ()}
-    covered = 0
-    for k, options in enumerate(child_states):
-        covered += sizes[k]
-        nxt: dict[tuple, tuple] = {}
-        for cur in partial.values():
-            for opt in options:
-                _assign(cur, opt, inner, nxt)
-        bound = covered + slack
-        nxt = {key: st for key, st in nxt.items() if sum(key) <= bound}
-        if last and k == len(child_states) - 1:
-            return [min(nxt.values(), key=lambda st: (sum(b[0] for b in st), len(st)))]
-        partial = _pareto(nxt)
-    return list(partial.values())
-def _assign(cur: tuple, items: tuple, inner: int, out: dict) -> None:
-    """Each item joins a different existing bin of ``cur`` (if it fits) or opens its own."""
-    bins = list(cur)
-    used = [False] * len(bins)
-    extra: list = []
-
-    def rec(k: int) -> None:
-        if k == len(items):
-            st = tuple(sorted(bins + extra, key=lambda b: -b[0]))
-            keyv = tuple(b[0] for b in st)
-            if keyv not in out:
-                out[keyv] = st
-            return
-        load, seqs = items[k]
-        tried: set = set()
-        for j, (bl, bs) in enumerate(bins):
-            if used[j] or bl in tried or bl + load > inner:
-                continue
-            tried.add(bl)
-            used[j] = True
-            bins[j] = (bl + load, bs + seqs)
-            rec(k + 1)
-            bins[j] = (bl, bs)
-            used[j] = False
-        extra.append(items[k])
-        rec(k + 1)
-        extra.pop()
-
-    rec(0)
-
-
-def _pareto(states: dict[tuple, tuple]) -> dict[tuple, tuple]:
-    """Drop states dominated by another: fewer (or as many) packs, each no heavier than its match."""
-    keys = sorted(states, key=lambda k: (len(k), sum(k)))
-    kept: list[tuple] = []
-    for k in keys:
-        if not any(len(a) <= len(k) and all(x <= y for x, y in zip(a, k)) for a in kept):
-            kept.append(k)
-    return {k: states[k] for k in kept}
+def _replace_batch(f: _Forest, labels: np.ndarray, b: int, upper: int, view: TreeView, *,
+                   beam: int | None = None, budget: int | None = None) -> np.ndarray:
+    """``labels`` with batch b's packs replaced by the DP's when it finds one at most ``upper`` tokens."""
+    lo, hi = int(f.batch_bounds[b]), int(f.batch_bounds[b + 1])
+    n_tree = int(f.t.seg_start[hi] - f.t.seg_start[lo])
+    found = solve(view, f.C, upper - n_tree, beam=beam, budget=budget)
+    if found is None or n_tree + found[0] > upper:
+        return labels
+    labels = labels.copy()
+    fresh = int(labels.max()) + 1
+    for p, members in enumerate(found[1]):
+        labels[members] = fresh + p
+    return labels
 
 
 # --------------------------------------------------------------------------------------------------
@@ -828,7 +761,7 @@ def _per_batch(f: _Forest, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return f.cost(labels), packs
 
 
-def best_labels(f: _Forest) -> tuple[np.ndarray, dict]:
+def best_labels(f: _Forest, exact_budget: int = BEST_EXACT_BUDGET) -> tuple[np.ndarray, dict]:
     """The cheapest, per step, of every candidate (see the module docstring); never worse than any of them."""
     cands: dict[str, np.ndarray] = {}
     for name, perm in candidate_orders(f).items():
@@ -848,13 +781,24 @@ def best_labels(f: _Forest) -> tuple[np.ndarray, dict]:
         lo, hi = f.batch_bounds[b], f.batch_bounds[b + 1]
         combined[lo:hi] = cands[names[pick[b]]][lo:hi]
     labels = _renumber(f, f.batch * (f.n + 1) + combined)  # candidates' labels overlap: key by batch too
-    details = {"candidates": {k: int(tokens[i].sum()) for i, k in enumerate(names)}}
-    small = np.flatnonzero(np.diff(f.batch_bounds) <= BEST_OPTIMAL_MAX_SEQUENCES)
-    if len(small):
-        upper = tokens[pick, np.arange(tokens.shape[1])]
-        labels = _optimal_into(f, small, upper, labels)
-        details["optimal_steps"] = len(small)
-    details["chosen"] = {names[i]: int((pick == i).sum()) for i in np.unique(pick).tolist()}
+    details = {"candidates": {k: int(tokens[i].sum()) for i, k in enumerate(names)},
+               "chosen": {names[i]: int((pick == i).sum()) for i in np.unique(pick).tolist()}}
+    upper = tokens[pick, np.arange(tokens.shape[1])]
+    sizes = np.diff(f.batch_bounds)
+    refine = np.flatnonzero((sizes <= BEAM_MAX_SEQUENCES) | (exact_budget > 0) & (sizes <= OPTIMAL_MAX_SEQUENCES))
+    if len(refine):
+        views = step_views(f)
+        for b in refine.tolist():
+            if sizes[b] <= BEAM_MAX_SEQUENCES:
+                labels = _replace_batch(f, labels, b, int(upper[b]), views[b], beam=BEAM)
+            if exact_budget and sizes[b] <= OPTIMAL_MAX_SEQUENCES:
+                try:
+                    labels = _replace_batch(f, labels, b, int(_per_batch(f, labels)[0][b]), views[b],
+                                            budget=exact_budget)
+                except BudgetExceeded:
+                    pass
+        labels = _renumber(f, f.batch * (f.n + 1) + labels)
+        details["beam"] = int(_per_batch(f, labels)[0].sum())
     return labels, details
 
 

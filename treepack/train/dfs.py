@@ -32,21 +32,25 @@ gradient, summed in another order (float64: ~1e-15 relative). Tokens whose subtr
 
 Memory. The path cache holds the longest path's K/V and their gradients: per token
 ``layers x 2 x kv_heads x head_dim`` values, in the model dtype plus float32 for the gradient (Qwen3-0.6B
-in bf16: 112 KiB + 224 KiB per path token, 3.1 GiB for a 9.4k-token path). The graph alive at once is
-one call's (``block_size`` tokens) plus the kept pieces (``keep_tokens``); it does not grow with the tree.
-Work. Anchors are the overhead: with ``keep_tokens = 0`` they are the tokens of shared nodes plus each
-leaf's own tail beyond one block, which is independent of the leaf order; the order (Algorithm 1:
-internal children first, longest tail first) merges anchors and pops into fewer calls. Measured anchor
-share (anchor / (anchor + N_tree)) with the backward order:
+in bf16: 112 KiB + 224 KiB per path token, 3.0 GiB for tau-bench's 9.4k-token path). The graph alive at
+once is one call's (``block_size`` tokens) plus the kept pieces (``keep_tokens``); it does not grow with
+the tree. Work. Anchors are the overhead: with ``keep_tokens = 0`` they are the tokens of shared nodes
+plus each leaf's own tail beyond one block, independent of the leaf order; the order (Algorithm 1:
+internal children first, longest tail first) only merges anchors and pops into fewer calls. Anchor
+share (anchor / all forwarded tokens) of `benchmarks/dfs.py`'s workloads (``--plan-only``):
 
-    tree (N_tree, leaves, longest path)          B=2048   B=4096   B=8192   B=2048 keep=8192
-    tau-bench retail, 144 records (58k, 10, 9.4k)   41%      27%      2.5%     40%
-    synth tau2, 2 tasks (79k, 16, 8.7k)             37%      18%      1.6%     36%
-    synth tau2 --think, 2 tasks (182k, 205, 8.9k)   26%      26%      26%      0.2%
-    synth agentic-think, 2 tasks (149k, 129, 17k)   28%      27%      27%      9.5%
+    workload (N_tree, leaves, longest path)          B=2048   B=8192   B=2048 keep=8192
+    tau-bench retail, 144 records (58k, 10, 9.4k)       41%      2.5%     40%
+    synth tau2, 2 tasks (79k, 16, 8.6k)                 37%      1.6%     36%
+    synth tau2 --think, 1 task (46k, 48, 7.4k)          25%      25%      0.5%
 
-Chains with long exclusive tails (tau-bench: one trajectory per task) pay for a small block; combs of
-short leaves on a long shared trunk (dropped reasoning) pay for anchoring the trunk unless it is kept.
+Chains with long private tails (tau-bench: one trajectory per task) pay for a small block; combs of short
+leaves on a long shared trunk (dropped reasoning) pay for anchoring the trunk unless it is kept. Each step
+is a full model call, so its host-side cost matters too: on an H200 with Qwen3-0.6B (28 layers, eager),
+B=2048 took 4.4 s per tau-bench step and B=8192 1.9 s (tree mode 1.9 s at 3x the memory) although the
+former has only ~1.2x the FLOPs: its 42 calls of ~2k tokens look launch-bound (the timings fit ~60 ms of
+host time per call; not yet profiled).
+Prefer the largest block the memory allows (benchmarks/results/2026-11-21-dfs.md).
 
 Legend: T pack tokens, C tokens of a step, X targets of a step, U target tokens of the pack, R loss
 rows, L layers, P cached path rows, K kv heads, E head dim, D hidden size.
@@ -82,6 +86,10 @@ class Step:
     lo: int  # depth of the first token: the segment attends to the cached path rows [0, lo)
     tokens_C: np.ndarray  # int64 pack indices of the segment's tokens, root to leaf
     kv_grad: bool  # grad/release: rows of the segment were cached, so later segments sent them dK/dV
+
+    def __post_init__(self) -> None:
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"step kind must be one of {', '.join(STEP_KINDS)}, got {self.kind!r}")
 
     @property
     def hi(self) -> int:
@@ -196,7 +204,10 @@ def leaf_order(nodes: _Nodes, order: str = "backward") -> list[int]:
     roots = list(nodes.roots)
     if order == "backward":
         tail = nodes.depth_end_N.tolist()
-        key = lambda c: (bool(children[c]), tail[c])  # noqa: E731
+
+        def key(c: int) -> tuple[bool, int]:
+            return bool(children[c]), tail[c]
+
         for n in range(len(children) - 1, -1, -1):  # children have larger indices: reverse index = postorder
             if children[n]:
                 children[n].sort(key=key)
@@ -431,11 +442,12 @@ class _PathCache:
 
     def outputs_and_grads(self, lo: int, kv: list[KV]) -> tuple[list[Tensor], list[Tensor]]:
         """The segment's own K/V (with graph) and the dK/dV its rows [lo, hi) received."""
+        hi = lo + kv[0][0].shape[0]
+        grad_2LCKE = self.grad_2LPKE[:, :, lo:hi].to(kv[0][0].dtype)  # one cast for every layer
         outs, grads = [], []
-        for layer, (k_TKE, v_TKE) in enumerate(kv):
-            hi = lo + k_TKE.shape[0]
-            outs += [k_TKE, v_TKE]
-            grads += [self.grad_2LPKE[0, layer, lo:hi].to(k_TKE.dtype), self.grad_2LPKE[1, layer, lo:hi].to(v_TKE.dtype)]
+        for layer, (k_CKE, v_CKE) in enumerate(kv):
+            outs += [k_CKE, v_CKE]
+            grads += [grad_2LCKE[0, layer], grad_2LCKE[1, layer]]
         return outs, grads
 
     def clear(self, lo: int, hi: int) -> None:
@@ -469,12 +481,6 @@ class _Targets:
         self.local_U = np.zeros(0, dtype=np.int64)  # index of parent[u] inside its step (after `assign`)
         self.u_of_step: dict[int, np.ndarray] = {}  # step index -> its U indices (ascending)
         self.rows_of_step: dict[int, np.ndarray] = {}  # step index -> its loss rows (ascending)
-
-    def needed_T(self, n_tokens: int) -> np.ndarray:
-        """bool [T]: tokens whose hidden state a loss term reads."""
-        needed = np.zeros(n_tokens, dtype=bool)
-        needed[self.parent_U] = True
-        return needed
 
 
     def assign(self, schedule: Schedule, n_real: int) -> None:
@@ -533,9 +539,10 @@ class DfsMode(Mode):
         self.order = order
         self.sft_fast_path = sft_fast_path
 
-    def schedule(self, pack: Pack, needed_T: np.ndarray | None = None) -> Schedule:
-        """The traversal of ``pack`` (numpy only; no model needed). ``needed_T`` (bool [T]): tokens whose
-        hidden state a loss term reads; the others' subtrees without any are pruned."""
+    def schedule(self, pack: Pack, rows: LossRows | None = None) -> Schedule:
+        """The traversal of ``pack`` (numpy only; no model needed). With ``rows``, subtrees whose tokens no
+        loss row reads are pruned (`needed_tokens`)."""
+        needed_T = None if rows is None else needed_tokens(pack, rows)
         try:
             return plan(np.asarray(pack.parent[: pack.n_real]), needed_T=needed_T, block_size=self.block_size,
                         keep_tokens=self.keep_tokens, order=self.order)
@@ -552,11 +559,11 @@ class _Traversal:
 
     def __init__(self, mode: DfsMode, model: Decoder, pack: Pack, rows: LossRows, objective: Objective,
                  totals: BatchTotals) -> None:
-        self.mode, self.model, self.objective, self.rows = mode, model, objective, rows
+        self.mode, self.model, self.objective = mode, model, objective
         self.dev = dev = model.device
         fast = mode.sft_fast_path and objective.kind == "sft"
         self.targets = _Targets(pack, rows, totals, objective, fast)
-        self.schedule = mode.schedule(pack, needed_T=self.targets.needed_T(int(pack.n_real)))
+        self.schedule = mode.schedule(pack, rows)
         self.targets.assign(self.schedule, int(pack.n_real))
         row_dtype = _row_dtype(model)
         self.weight_U = None if not fast else torch.as_tensor(self.targets.weight_U, dtype=row_dtype, device=dev)

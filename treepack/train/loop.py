@@ -38,6 +38,7 @@ from treepack.layout import Pack
 from treepack.train.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from treepack.train.config import RunConfig
 from treepack.train.data import batch_indices, compact_vocab, load_packs
+from treepack.train.dfs import merge_work
 from treepack.train.losses import BatchTotals, LossRows, Objective, group_advantages
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import make_mode
@@ -71,6 +72,8 @@ class StepStats:
         ]
         if self.mfu is not None:
             parts.append(f"mfu {100 * self.mfu:.0f}%")
+        if "anchor_share" in self.extra:  # dfs: share of no-grad re-forwards, most tokens with a live graph
+            parts.append(f"anchor {100 * self.extra['anchor_share']:.0f}% | graph {human(self.extra['peak_graph_tokens'])}")
         return " | ".join(parts)
 
     def to_json(self) -> dict:
@@ -199,6 +202,9 @@ def train(
         packs = load_packs(source, capacity=cfg.data.capacity_tokens)
     if not packs:
         raise ConfigError("the data section yields no packs")
+    if cfg.data.packs_per_step > len(packs):
+        raise ConfigError(f"data.packs_per_step ({cfg.data.packs_per_step}) exceeds the packs in the data "
+                          f"({len(packs)})")
     out_dir = Path(cfg.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model.compact_vocab:
@@ -249,7 +255,7 @@ def train(
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss, tokens, flops, extra = 0.0, 0, 0.0, {}
+            loss, tokens, flops, extra, work = 0.0, 0, 0.0, {}, {}
             for pack, row in zip(batch, rows):
                 with autocast:
                     out = mode(model, pack, row, objective, totals)
@@ -257,10 +263,14 @@ def train(
                 loss += out.loss.item()
                 tokens += out.forward_tokens
                 predicted = row.n_rows if cfg.train.mode == "dense" else int(np.unique(row.token_R).shape[0])
-                flops += _step_flops(model.args, out.forward_tokens, predicted, _visible_pairs(pack, cfg.train.mode))
+                # Model FLOPs count the useful work once: dfs's no-grad re-forwards (anchors) are not in them.
+                useful = out.metrics.get("grad_tokens", out.forward_tokens)
+                flops += _step_flops(model.args, useful, predicted, _visible_pairs(pack, cfg.train.mode))
+                work = merge_work(work, out.metrics)  # dfs accounting: counts add up, peaks take the maximum
                 for k, v in out.metrics.items():
-                    if isinstance(v, (int, float)):
+                    if isinstance(v, (int, float)) and k not in work:
                         extra[k] = extra.get(k, 0.0) + v / len(batch)
+            extra.update(work)
             if cfg.train.grad_clip > 0:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip))
             else:

@@ -124,7 +124,7 @@ class LossRows:
     seq_R: np.ndarray  # int64 sequence index in the pack
     flat_R: np.ndarray  # int64 index of the target in the flat concatenation of the pack's sequences
     token_R: np.ndarray  # int64 pack index of the target token (path_s[j])
-    behaviour_logp_R: np.ndarray | None  # float64 behaviour log-probs, when the pack has them
+    behaviour_logp_R: np.ndarray | None  # float64 behaviour log-probs when the pack has them (NaN: none)
     loss_tokens_S: np.ndarray  # int64 rows per sequence
     advantage_S: np.ndarray | None  # float64 per-sequence advantage, when known
 
@@ -150,8 +150,8 @@ class LossRows:
         behaviour = None
         if pack.seq_logprobs is not None:
             behaviour = np.asarray(pack.seq_logprobs, dtype=np.float64)[flat_R]
-            if np.isnan(behaviour).any():
-                behaviour = None  # some record had no log-probs: fall back to on-policy ratios
+            if np.isnan(behaviour).all():
+                behaviour = None  # NaN marks a record without log-probs: its rows are on-policy
         adv = None if pack.advantages is None else np.asarray(pack.advantages, dtype=np.float64)
         return cls(seq_R=seq_R, flat_R=flat_R, token_R=token_R, behaviour_logp_R=behaviour,
                    loss_tokens_S=np.bincount(seq_R, minlength=S).astype(np.int64), advantage_S=adv)
@@ -223,7 +223,10 @@ class Objective:
 
     def grpo_row_loss(self, logp_R: Tensor, advantage_R: Tensor, behaviour_logp_R: Tensor | None,
                       ref_logp_R: Tensor | None) -> Tensor:
-        behaviour = logp_R.detach() if behaviour_logp_R is None else behaviour_logp_R
+        if behaviour_logp_R is None:
+            behaviour = logp_R.detach()
+        else:  # rows of records without behaviour log-probs (NaN) are on-policy
+            behaviour = torch.where(torch.isnan(behaviour_logp_R), logp_R.detach(), behaviour_logp_R)
         ratio_R = torch.exp(logp_R - behaviour)
         clipped_R = torch.clamp(ratio_R, 1.0 - self.clip_low, 1.0 + self.clip_high)
         loss_R = -torch.minimum(ratio_R * advantage_R, clipped_R * advantage_R)
@@ -237,7 +240,7 @@ class Objective:
         """Share of rows whose ratio lies outside the clip range (a PPO health metric)."""
         if behaviour_logp_R is None or logp_R.numel() == 0:
             return 0.0
-        ratio = torch.exp(logp_R.detach() - behaviour_logp_R)
+        ratio = torch.exp(logp_R.detach() - behaviour_logp_R)  # NaN rows (on-policy) count as unclipped
         return float(((ratio < 1 - self.clip_low) | (ratio > 1 + self.clip_high)).float().mean())
 
 

@@ -206,7 +206,8 @@ class AttentionContext:
     """Which keys each query sees, for one forward over T tokens (plus an optional cached prefix).
 
     ``kind="tree"``: the mask ``k <= q < subtree_end[k]`` through ``treepack.kernels.tree_attention``;
-    ``mask`` is an int32 [T] tensor or the kernel's prepared `TreeMaskInfo` (block schedule built once).
+    ``mask`` is an int32 [T] tensor or the kernel's prepared `TreeMaskInfo` (block schedule built once);
+    for the reference backend, ``segments`` cuts the pack into runs no other query attends into.
     ``kind="causal"``: independent causal sequences of ``lengths`` laid end to end, each run through
     ``F.scaled_dot_product_attention`` (``impl="sdpa"``): the dense baseline.
     """
@@ -226,10 +227,12 @@ class AttentionContext:
             raise ConfigError(f"tree attention impl must be auto, reference, flex or triton, got {impl!r}")
         subtree_end_T = subtree_end_T.to(torch.int32)
         # The schedule validates k < subtree_end[k] <= T (one sync) and lets the GPU backends skip
-        # masked blocks; the reference backend reads subtree_end directly.
+        # masked blocks; the reference backend (auto off CUDA) reads subtree_end directly, one call per
+        # run of independent trees since its cost grows with the square of a call's tokens.
         if subtree_end_T.device.type == "cuda" and impl != "reference":
             return cls(kind="tree", impl=impl, mask=prepare(subtree_end_T))
-        return cls(kind="tree", impl=impl, mask=subtree_end_T, segments=_independent_segments(subtree_end_T))
+        segments = _independent_segments(subtree_end_T) if impl in ("auto", "reference") else ()
+        return cls(kind="tree", impl=impl, mask=subtree_end_T, segments=segments)
 
     @classmethod
     def causal(cls, lengths: Sequence[int], impl: str = "sdpa", device: torch.device | None = None
@@ -294,11 +297,12 @@ CAUSAL_SCORE_BUDGET = 1 << 24  # score elements per SDPA call of the causal path
 def _causal_chunk(q_HCE: Tensor, k_HSE: Tensor, v_HSE: Tensor, q0: int) -> Tensor:
     """Queries q0..q0+C of one sequence over its keys 0..S-1 (S = q0 + C), causally."""
     C, S = q_HCE.shape[1], k_HSE.shape[1]
+    q, k, v = q_HCE[None], k_HSE[None], v_HSE[None]  # [1, H, *, E]: the fused kernels need 4-d inputs
     if q0 == 0 and C == S:
-        return F.scaled_dot_product_attention(q_HCE, k_HSE, v_HSE, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)[0]
     dev = q_HCE.device
     visible_CS = torch.arange(S, device=dev)[None, :] <= torch.arange(q0, q0 + C, device=dev)[:, None]
-    return F.scaled_dot_product_attention(q_HCE, k_HSE, v_HSE, attn_mask=visible_CS)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible_CS)[0]
 
 
 def _causal_sdpa(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, lengths: Sequence[int]) -> Tensor:

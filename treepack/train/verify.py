@@ -295,7 +295,9 @@ def verify_packs(
     totals = BatchTotals.of(rows)
 
     def model_in(dt: torch.dtype) -> Decoder:
-        m = Decoder(base.args).to(device=device, dtype=dt)
+        with torch.device("meta"):
+            m = Decoder(base.args)
+        m = m.to_empty(device=device).to(dt)
         m.load_state_dict(base.state_dict())  # copies into m's dtype
         return m
 
