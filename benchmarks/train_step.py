@@ -38,21 +38,29 @@ and realised / ideal = tree's FLOP rate over B's: DESIGN §9 asks >= 90% over bo
 of activation checkpointing, where a runner needs it to fit, is not counted (model FLOPs, not hardware
 FLOPs). Flat-equivalent tokens/s = the workload's N_flat / t for every runner.
 
-Timing: per runner one warm-up step (Triton compiles and autotunes per power-of-two pack size,
-FlexAttention compiles, AdamW allocates its state), over every pack for the tree runners and over one
-micro-batch per power-of-two size for the dense ones (which have nothing to tune and take seconds per
-step), then ``--repeats`` timed steps, stopping after the first one that takes longer than
-``--max-step-seconds``; the median is reported. Peak memory = ``torch.cuda.max_memory_allocated`` over
-the timed steps (weights, gradients and AdamW state included). A runner that runs out of memory is
-retried with activation checkpointing (and so is every later runner of that model with packs as large).
-Jobs run in order (configs as given, runners dense-leaf, tree/triton, dense, tree/flex), FlexAttention
-after every other runner, and ``--deadline`` skips the jobs that would start after it.
+Timing: per runner one warm-up step over all its packs (Triton compiles and autotunes per power-of-two
+pack size, FlexAttention compiles, AdamW allocates its state, and every sequence length and micro-batch
+shape has been seen once: a warm-up over one micro-batch per size left dense-leaf's first timed step 23%
+slower than its second), then ``--repeats`` timed steps, stopping after the first one that takes longer
+than ``--max-step-seconds``; the median is reported and every step's time kept. Peak memory =
+``torch.cuda.max_memory_allocated`` over the timed steps (weights, gradients and AdamW state included).
+A runner that runs out of memory is retried with activation checkpointing (and so is every later runner
+of that model with forwards as large). Jobs run config by config, each config's runners in the order
+dense-leaf, tree/triton, dense, tree/flex (the slowest to compile); ``--deadline`` skips the jobs that
+would start after it. ``--profile`` adds, per model, the GPU time of one step over one pack by kernel
+group (tree attention, cuBLAS, optimizer, the rest) and its longest kernels.
+
+Measured (H200, bf16, benchmarks/results/2026-11-21-train-step-h200.md): on 144 real tau-bench records
+(C 10.1) the Qwen3-0.6B tree step takes 1.93 s at 16K packs, 92-103% of the FLOP-model ideal over
+dense-leaf and >= 92% over dense; on tau2 --think (C 4.9) 3.52 s at 32K packs, 5.4-6.8x dense. MFU is
+26-30% for tree and baselines alike: half the 0.6B step's GPU time is elementwise kernels (float32
+norms, RoPE, SwiGLU, casts), not attention or matmuls.
 
 Usage:
     python benchmarks/train_step.py                               # the full comparison (CUDA)
-    python benchmarks/train_step.py --configs qwen3-0.6b:tau-bench:16k,32k qwen3-1.7b:tau-bench:32k \\
+    python benchmarks/train_step.py --configs qwen3-0.6b:tau-bench:16K,32K qwen3-1.7b:tau-bench:32K \\
         --out benchmarks/results/DATE-train-step-h200.md --deadline 300
-    python benchmarks/train_step.py --device cpu --configs tiny:tau-bench:4k --tau-records 4 \\
+    python benchmarks/train_step.py --device cpu --configs tiny:tau-bench:4K --tau-records 4 \\
         --runners dense,dense-leaf,tree/reference                # CPU smoke run (numbers meaningless)
 
 Legend: T pack tokens, F flat tokens, S sequences.
@@ -72,6 +80,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,7 +95,7 @@ TAU_BENCH = ROOT / "datasets" / "samples" / "tau_bench_slice.parquet"
 
 def _import_treepack() -> None:
     try:
-        import treepack  # noqa: F401
+        import treepack
     except ImportError:  # a checkout that is not installed: the repository root maps onto treepack.*
         sys.path.insert(0, str(ROOT))
         import treepack  # noqa: F401
@@ -94,28 +103,30 @@ def _import_treepack() -> None:
 
 _import_treepack()
 
-import torch  # noqa: E402
+import torch
 
-from treepack.layout import Pack, build_pack  # noqa: E402
-from treepack.rollouts import Rollouts, read_rollouts  # noqa: E402
-from treepack.sizes import parse_size  # noqa: E402
-from treepack.stats import MODEL_SHAPES, ModelShape  # noqa: E402
-from treepack.train import losses  # noqa: E402
-from treepack.train.config import RunConfig  # noqa: E402
-from treepack.train.data import pack_rollouts  # noqa: E402
-from treepack.train.loop import make_optimizer, resolve_precision  # noqa: E402
-from treepack.train.losses import BatchTotals, LossRows, Objective  # noqa: E402
-from treepack.train.model import Decoder, ModelArgs  # noqa: E402
-from treepack.train.modes import make_mode  # noqa: E402
-from treepack.tree import PrefixTree  # noqa: E402
+from treepack.errors import TreepackError
+from treepack.layout import Pack, build_pack
+from treepack.rollouts import Rollouts, read_rollouts
+from treepack.sizes import parse_size
+from treepack.stats import MODEL_SHAPES, ModelShape
+from treepack.train import losses
+from treepack.train.config import RunConfig
+from treepack.train.data import pack_rollouts
+from treepack.train.loop import make_optimizer, resolve_precision
+from treepack.train.losses import BatchTotals, LossRows, Objective
+from treepack.train.model import Decoder, ModelArgs
+from treepack.train.modes import make_mode
+from treepack.tree import PrefixTree
 
 QWEN3_VOCAB = 151936  # rows of Qwen3's embedding (151,669 used ids, padded)
 MODELS = {  # Qwen3 shapes from the Hugging Face config.json files (tied embeddings); tiny = CPU smoke runs
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
-                       head_dim=128),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16, num_kv_heads=8,
-                       head_dim=128),
-    "tiny": dict(hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
+    "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_layers": 28, "num_heads": 16,
+                   "num_kv_heads": 8, "head_dim": 128},
+    "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_layers": 28, "num_heads": 16,
+                   "num_kv_heads": 8, "head_dim": 128},
+    "tiny": {"hidden_size": 64, "intermediate_size": 176, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+             "head_dim": 16},
 }
 WORKLOADS = {
     "tau-bench": "real: the first --tau-records records of datasets/samples/tau_bench_slice.parquet "
@@ -125,8 +136,9 @@ WORKLOADS = {
 }
 RUNNERS = ("dense", "dense-leaf", "tree/triton", "tree/flex", "tree/reference", "tree/auto")
 RUN_ORDER = ("dense-leaf", "tree/triton", "tree/auto", "tree/reference", "dense", "tree/flex")
-DEFAULT_CONFIGS = ("qwen3-0.6b:tau-bench:16k,32k", "qwen3-0.6b:tau2-think:16k,32k", "qwen3-1.7b:tau-bench:32k",
-                   "qwen3-1.7b:tau2-think:32k")
+# model:workload:tree capacities (K = 1024)
+DEFAULT_CONFIGS = ("qwen3-0.6b:tau-bench:16K,32K", "qwen3-0.6b:tau2-think:16K,32K",
+                   "qwen3-1.7b:tau-bench:32K", "qwen3-1.7b:tau2-think:32K")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,8 +162,8 @@ def load_workload(name: str, args: argparse.Namespace) -> Rollouts:
     if name == "tau-bench":
         r = read_rollouts([str(args.tau_bench)])
         return _one_forest(r.select(np.arange(min(args.tau_records, len(r)))), args.seed)
-    from treepack.datasets import synth
     import pyarrow.parquet as pq
+    from treepack.datasets import synth
 
     kind, overrides = {"tau2-think": ("tau2", {"think": True}),
                        "agentic-think": ("agentic-think", {"max_len": 16384})}[name]
@@ -176,7 +188,7 @@ def leaf_sequences(r: Rollouts) -> np.ndarray:
 
 
 def micro_batches(r: Rollouts, index: np.ndarray, budget: int) -> list[Pack]:
-    """Whole sequences in input order, each micro-batch at most ``budget`` flat tokens (a longer one alone)."""
+    """Whole sequences in input order, micro-batches of <= ``budget`` flat tokens (a longer one alone)."""
     packs, current, size = [], [], 0
     for i in index.tolist():
         n = int(r.lengths[i])
@@ -202,13 +214,17 @@ class Work:
     dense: bool  # micro-batches of whole sequences (else tree packs)
 
     @classmethod
-    def dense(cls, packs: list[Pack]) -> Work:
+    def flat(cls, packs: list[Pack]) -> Work:
+        """Micro-batches of whole sequences, each run as independent causal sequences."""
         lengths_S = np.concatenate([np.diff(np.asarray(p.seq_offsets, dtype=np.int64)) for p in packs])
-        return cls(packs, tokens=int(lengths_S.sum()), predicted=sum(LossRows.from_pack(p).n_rows for p in packs),
-                   pairs=int((lengths_S * (lengths_S + 1) // 2).sum()), sequences=int(lengths_S.shape[0]), dense=True)
+        return cls(packs, tokens=int(lengths_S.sum()),
+                   predicted=sum(LossRows.from_pack(p).n_rows for p in packs),
+                   pairs=int((lengths_S * (lengths_S + 1) // 2).sum()), sequences=int(lengths_S.shape[0]),
+                   dense=True)
 
     @classmethod
     def tree(cls, packs: list[Pack]) -> Work:
+        """Tree packs (the mask of ``subtree_end``)."""
         pairs = 0
         for p in packs:
             end_T = np.asarray(p.subtree_end, dtype=np.int64)
@@ -223,24 +239,6 @@ class Work:
         return max(int(p.seq_offsets[-1]) if self.dense else p.n_tokens for p in self.packs)
 
 
-def _t_bucket(T: int) -> int:
-    """The Triton kernels' autotuning key of a pack size (next power of two)."""
-    return 1 << max(T - 1, 1).bit_length()
-
-
-def warmup_packs(packs: list[Pack], runner: str) -> list[Pack]:
-    """Tree runners warm up on every pack; dense ones on the largest micro-batch of each size bucket."""
-    if not runner.startswith("dense"):
-        return packs
-    largest: dict[int, Pack] = {}
-    for p in packs:
-        n = int(p.seq_offsets[-1])
-        b = _t_bucket(n)
-        if b not in largest or n > int(largest[b].seq_offsets[-1]):
-            largest[b] = p
-    return list(largest.values())
-
-
 # --------------------------------------------------------------------------------------------------
 # Model, step, measurement
 
@@ -250,10 +248,10 @@ def model_args(name: str, vocab: int) -> ModelArgs:
 
 
 def model_shape(name: str, args: ModelArgs) -> ModelShape:
-    shape = ModelShape(name, args.num_layers, args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
-                       args.intermediate_size, args.vocab_size)
+    shape = ModelShape(name, args.num_layers, args.hidden_size, args.num_heads, args.num_kv_heads,
+                       args.head_dim, args.intermediate_size, args.vocab_size)
     if name in MODEL_SHAPES and MODEL_SHAPES[name] != shape:
-        raise AssertionError(f"{name}: benchmark shape {shape} differs from treepack.stats' {MODEL_SHAPES[name]}")
+        raise AssertionError(f"{name}: shape {shape} differs from treepack.stats' {MODEL_SHAPES[name]}")
     return shape
 
 
@@ -337,18 +335,20 @@ class Result:
     checkpointing: bool = False
     loss: float = 0.0
     note: str = ""  # why it did not run, or what it reuses
+    profile: dict = field(default_factory=dict)  # --profile: GPU seconds of one step by kernel group
+    profile_top: list = field(default_factory=list)  # --profile: [kernel, group, GPU seconds], longest first
 
     @property
     def ok(self) -> bool:
         return self.seconds is not None
 
 
-def measure(trainer: Trainer, work: Work, mode, runner: str, repeats: int, max_step_seconds: float,
+def measure(trainer: Trainer, work: Work, mode, repeats: int, max_step_seconds: float,
             log: Callable[[str], None]) -> tuple[float, list[float], float, float]:
     """(warm-up seconds, timed step seconds, peak GiB, last loss) of one runner."""
     dev = trainer.device
     t0 = time.perf_counter()
-    trainer.step(warmup_packs(work.packs, runner), mode)
+    trainer.step(work.packs, mode)
     warm = time.perf_counter() - t0
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -363,6 +363,60 @@ def measure(trainer: Trainer, work: Work, mode, runner: str, repeats: int, max_s
             break
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
     return warm, times, peak, loss
+
+
+# CUDA kernel names -> groups (first match wins): where a step's GPU time goes
+KERNEL_GROUPS = (
+    ("tree attention (Triton)", ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_bwd_delta_kernel")),
+    ("matmul (cuBLAS)", ("gemm", "nvjet", "xmma", "cutlass", "splitk")),
+    ("attention (flash, flex)", ("flash", "fmha", "triton_tem", "attention")),
+    ("optimizer (AdamW, clipping)", ("adam", "multi_tensor", "foreach", "norm_kernel")),
+)
+OTHER_KERNELS = "elementwise and other (norms, RoPE, SwiGLU, casts, loss)"
+
+
+def profile_step(trainer: Trainer, pack: Pack, mode, top: int = 15) -> tuple[dict[str, float], list]:
+    """GPU seconds by kernel group (torch.profiler, CUDA activity only) of one step over one pack (its
+    forward and backward, clipping and AdamW), plus the step's wall time under the profiler ("wall") and
+    pack tokens; and the ``top`` kernels by GPU time as [name, group, seconds] (to check the grouping)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")  # one cycle is all we record
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            trainer.step([pack], mode)
+            wall = time.perf_counter() - t0
+        events = prof.events()
+    seconds: Counter = Counter()
+    per_kernel: Counter = Counter()
+    groups: dict[str, str] = {}
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), OTHER_KERNELS)
+        seconds[group] += e.time_range.elapsed_us() / 1e6
+        per_kernel[e.name] += e.time_range.elapsed_us() / 1e6
+        groups[e.name] = group
+    longest = [[name[:160], groups[name], t] for name, t in per_kernel.most_common(top)]
+    return {**dict(seconds), "wall": wall, "tokens": float(pack.n_tokens)}, longest
+
+
+def profile_table(r: Result) -> str:
+    busy = sum(v for k, v in r.profile.items() if k not in ("wall", "tokens"))
+    head = (f"GPU time by kernel group of {r.model} {r.runner} at {_cap(r.capacity)} on {r.workload}, one "
+            f"step over its first pack ({int(r.profile['tokens']):,} tokens; kernels {busy:.3f} s of "
+            f"{r.profile['wall']:.3f} s wall under the profiler):")
+    lines = [head, "", "| kernels | GPU s | share |", "|---|---|---|"]
+    for group in [g for g, _ in KERNEL_GROUPS] + [OTHER_KERNELS]:
+        if group in r.profile:
+            lines.append(f"| {group} | {r.profile[group]:.3f} | {_pct(r.profile[group] / max(busy, 1e-9))} |")
+    if r.profile_top:
+        lines += ["", "Longest kernels:", "", "| kernel | group | GPU s |", "|---|---|---|"]
+        lines += [f"| `{name[:100]}` | {group} | {t:.4f} |" for name, group, t in r.profile_top]
+    return "\n".join(lines) + "\n"
 
 
 def matmul_ceiling(device: torch.device, n: int = 8192, iters: int = 20) -> float:
@@ -398,7 +452,7 @@ def matmul_ceiling(device: torch.device, n: int = 8192, iters: int = 20) -> floa
 
 def path_check(trainer: Trainer, pack: Pack) -> dict:
     """Forward one pack through ``make_mode("tree")`` (attention "auto") and count kernel calls."""
-    import treepack.kernels as kernels
+    import treepack.kernels
     from treepack.kernels.tree_attention import api
 
     counts: Counter = Counter()
@@ -419,8 +473,9 @@ def path_check(trainer: Trainer, pack: Pack) -> dict:
         chunks.append((int(hidden.shape[0]), int(chunk)))
         return apply(hidden, weight, target, chunk)
 
-    patches = [mock.patch.object(kernels, "prepare", counted("prepare", kernels.prepare)),
-               mock.patch.object(api, "tree_attention_reference", counted("reference", api.tree_attention_reference)),
+    patches = [mock.patch.object(treepack.kernels, "prepare", counted("prepare", treepack.kernels.prepare)),
+               mock.patch.object(api, "tree_attention_reference",
+                                 counted("reference", api.tree_attention_reference)),
                mock.patch.object(losses._TargetLogProb, "apply", staticmethod(logprob_apply))]
     for key, module in (("triton", "triton"), ("flex", "flex")):
         try:
@@ -434,10 +489,12 @@ def path_check(trainer: Trainer, pack: Pack) -> dict:
         for p in patches:
             stack.enter_context(p)
         with torch.no_grad(), trainer.autocast():
-            make_mode("tree")(trainer.model, pack, row, trainer.objective, BatchTotals.of([row]))
+            mode = make_mode("tree", chunk_rows=trainer.logits_chunk)  # attention: the default ("auto")
+            mode(trainer.model, pack, row, trainer.objective, BatchTotals.of([row]))
     _sync(trainer.device)
     return {"tokens": int(pack.n_tokens), "layers": trainer.model.args.num_layers, "calls": dict(counts),
-            "qkv_dtype": sorted(dtypes), "logprob_rows": [r for r, _ in chunks], "chunk_rows": sorted({c for _, c in chunks})}
+            "qkv_dtype": sorted(dtypes), "logprob_rows": [r for r, _ in chunks],
+            "chunk_rows": sorted({c for _, c in chunks}), "chunk_limit": trainer.logits_chunk}
 
 
 def path_check_line(check: dict, device: torch.device) -> tuple[str, bool]:
@@ -446,11 +503,12 @@ def path_check_line(check: dict, device: torch.device) -> tuple[str, bool]:
     chunk = max(check["chunk_rows"], default=0)
     line = (f"tree mode with the defaults (attention 'auto') on one pack of {check['tokens']:,} tokens, "
             f"{check['layers']} layers: prepare x{c.get('prepare', 0)}, triton x{c.get('triton', 0)}, flex "
-            f"x{c.get('flex', 0)}, reference x{c.get('reference', 0)}; q/k/v {', '.join(check['qkv_dtype'])}; "
+            f"x{c.get('flex', 0)}, reference x{c.get('reference', 0)}; "
+            f"q/k/v {', '.join(check['qkv_dtype'])}; "
             f"log-probs of {rows:,} rows in chunks of <= {chunk:,} rows")
-    ok = (device.type != "cuda" or (c.get("prepare", 0) == 1 and c.get("triton", 0) == check["layers"]
-                                     and not c.get("flex") and not c.get("reference")
-                                     and check["qkv_dtype"] == ["bfloat16"])) and 0 < chunk <= 4096
+    on_triton = (c.get("prepare", 0) == 1 and c.get("triton", 0) == check["layers"] and not c.get("flex")
+                 and not c.get("reference") and check["qkv_dtype"] == ["bfloat16"])
+    ok = (device.type != "cuda" or on_triton) and 0 < chunk <= check["chunk_limit"]
     return line, ok
 
 
@@ -458,66 +516,104 @@ def path_check_line(check: dict, device: torch.device) -> tuple[str, bool]:
 # Report
 
 
-def _gib(x: float) -> str:
-    return f"{x:.1f}" if x else "-"
-
-
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
+def _cap(capacity: int | None) -> str:
+    """16384 -> 16K, 60000 -> 60k (the notation of `treepack.sizes`)."""
+    if not capacity:
+        return "-"
+    for unit, div in (("K", 1024), ("k", 1000)):
+        if capacity % div == 0:
+            return f"{capacity // div}{unit}"
+    return f"{capacity:,}"
+
+
+def baseline(results: list[Result], r: Result, name: str) -> Result | None:
+    """The measured ``name`` baseline of r's model and workload (dense-leaf = dense when every sequence
+    is a leaf)."""
+    for x in results:
+        if x.model == r.model and x.workload == r.workload and x.runner == name:
+            if x.ok:
+                return x
+            if name == "dense-leaf" and x.note.startswith("= dense"):
+                return baseline(results, r, "dense")
+    return None
+
+
+def efficiency(results: list[Result], r: Result, name: str) -> tuple[float, float] | None:
+    """(ideal, realised) speedup of r over the baseline ``name``, or None if either did not run."""
+    ref = baseline(results, r, name)
+    if ref is None or not r.ok:
+        return None
+    return ref.flops / r.flops, ref.seconds / r.seconds
+
+
 def section_table(results: list[Result], n_flat: int, ceiling: float) -> str:
-    base = {r.runner: r for r in results if r.runner in ("dense", "dense-leaf") and r.ok}
-    head = ("| runner | capacity | packs | tokens | pairs | TFLOP | s/step | flat tok/s | TFLOP/s | MFU | peak GiB "
-            "| vs dense: ideal / realised (%) | vs dense-leaf: ideal / realised (%) |")
+    head = ("| runner | capacity | packs | tokens | pairs | TFLOP | s/step (steps) | flat tok/s | TFLOP/s "
+            "| MFU | peak GiB | vs dense: ideal / realised (of ideal) "
+            "| vs dense-leaf: ideal / realised (of ideal) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
-        cap = f"{r.capacity // 1024}k" if r.capacity else "-"
+        name = r.runner + (" +ckpt" if r.checkpointing else "")
         if not r.ok:
-            lines.append(f"| {r.runner} | {cap} | {r.packs or '-'} | {r.tokens:,} | {r.pairs:.3g} | {r.flops / 1e12:.0f} "
-                         f"| {r.note} | | | | | | |")
+            sizes = (f"{r.packs} | {r.tokens:,} | {r.pairs:.3g} | {r.flops / 1e12:.0f}" if r.packs
+                     else "- | - | - | -")
+            lines.append(f"| {name} | {_cap(r.capacity)} | {sizes} | {r.note} | | | | | | |")
             continue
         rate = r.flops / r.seconds
         cells = []
         for b in ("dense", "dense-leaf"):
-            ref = base.get(b)
-            if ref is None or r.runner.startswith("dense"):
-                cells.append("-")
-                continue
-            ideal, real = ref.flops / r.flops, ref.seconds / r.seconds
-            cells.append(f"{ideal:.2f}x / {real:.2f}x ({_pct(real / ideal)})")
-        steps = f"{r.seconds:.3f}" + (f" ({len(r.times)})" if len(r.times) != 1 else " (1)")
-        ckpt = " +ckpt" if r.checkpointing else ""
-        lines.append(f"| {r.runner}{ckpt} | {cap} | {r.packs} | {r.tokens:,} | {r.pairs:.3g} | {r.flops / 1e12:.0f} "
-                     f"| {steps} | {n_flat / r.seconds / 1e3:,.1f}k | {rate / 1e12:.0f} | {_pct(rate / ceiling)} "
-                     f"| {_gib(r.peak_gib)} | {cells[0]} | {cells[1]} |")
+            e = None if r.runner.startswith("dense") else efficiency(results, r, b)
+            cells.append("-" if e is None else f"{e[0]:.2f}x / {e[1]:.2f}x ({_pct(e[1] / e[0])})")
+        lines.append(f"| {name} | {_cap(r.capacity)} | {r.packs} | {r.tokens:,} | {r.pairs:.3g} "
+                     f"| {r.flops / 1e12:.0f} | {r.seconds:.3f} ({len(r.times)}) "
+                     f"| {n_flat / r.seconds / 1e3:,.1f}k | {rate / 1e12:.0f} | {_pct(rate / ceiling)} "
+                     f"| {r.peak_gib:.1f} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
 
 def summary(results: list[Result], ceiling: float) -> tuple[str, list[str]]:
-    """Short table of the tree runners (targets) and the verdict lines."""
-    lines = ["| model | workload | cap | runner | s/step | MFU | vs dense (realised/ideal) | vs dense-leaf "
-             "(realised/ideal) | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    """The short table of every measured runner and the verdict on each tree runner's targets."""
+    lines = [("| model | workload | cap | runner | s/step | MFU | peak GiB | vs dense (of ideal) "
+              "| vs dense-leaf (of ideal) |"), "|---|---|---|---|---|---|---|---|---|"]
     verdicts = []
     for r in results:
-        if not r.runner.startswith("tree") or not r.ok:
+        if not r.ok:
             continue
-        effs = []
-        for b in ("dense", "dense-leaf"):
-            ref = next((x for x in results if x.model == r.model and x.workload == r.workload and x.runner == b
-                        and x.ok), None)
-            effs.append(None if ref is None else (ref.seconds / r.seconds) / (ref.flops / r.flops))
         mfu = r.flops / r.seconds / ceiling
-        cap = f"{r.capacity // 1024}k"
-        cells = ["-" if e is None else _pct(e) for e in effs]
-        lines.append(f"| {r.model} | {r.workload} | {cap} | {r.runner}{' +ckpt' if r.checkpointing else ''} "
-                     f"| {r.seconds:.3f} | {_pct(mfu)} | {cells[0]} | {cells[1]} | {_gib(r.peak_gib)} |")
-        met = [e is not None and e >= 0.9 for e in effs]
-        verdicts.append(f"{r.model} {r.workload} {cap} {r.runner}: >= 90% of the ideal speedup over dense "
-                        f"{'met' if met[0] else 'NOT met' if effs[0] is not None else 'not measured'}, over "
-                        f"dense-leaf {'met' if met[1] else 'NOT met' if effs[1] is not None else 'not measured'}; "
-                        f"MFU >= 45% {'met' if mfu >= 0.45 else 'NOT met'} ({_pct(mfu)})")
+        effs = [None if r.runner.startswith("dense") else efficiency(results, r, b)
+                for b in ("dense", "dense-leaf")]
+        cells = ["-" if e is None else f"{e[1]:.2f}x of {e[0]:.2f}x ({_pct(e[1] / e[0])})" for e in effs]
+        lines.append(f"| {r.model} | {r.workload} | {_cap(r.capacity)} | {r.runner}"
+                     f"{' +ckpt' if r.checkpointing else ''} | {r.seconds:.3f} | {_pct(mfu)} "
+                     f"| {r.peak_gib:.1f} | {cells[0]} | {cells[1]} |")
+        if r.runner.startswith("tree"):
+            over = [("not measured" if e is None else f"{'met' if e[1] / e[0] >= 0.9 else 'NOT met'} "
+                     f"({_pct(e[1] / e[0])})") for e in effs]
+            verdicts.append(f"{r.model} {r.workload} {_cap(r.capacity)} {r.runner}: >= 90% of the ideal "
+                            f"speedup over dense {over[0]}, over dense-leaf {over[1]}; MFU >= 45% "
+                            f"{'met' if mfu >= 0.45 else 'NOT met'} ({_pct(mfu)})")
     return "\n".join(lines) + "\n", verdicts
+
+
+@dataclass
+class WorkloadInfo:
+    rollouts: Rollouts
+    leaf_S: np.ndarray  # input indices of the leaf sequences
+    n_tree: int  # tokens of the whole forest's trie (one pack of unlimited capacity)
+
+    @classmethod
+    def of(cls, r: Rollouts) -> WorkloadInfo:
+        return cls(r, leaf_sequences(r), PrefixTree.from_arrays(r.tokens, r.offsets).n_tree_tokens)
+
+    def describe(self) -> str:
+        r = self.rollouts
+        n_flat = int(r.offsets[-1])
+        return (f"{len(r)} sequences, N_flat {n_flat:,}, N_tree {self.n_tree:,} "
+                f"(C {n_flat / self.n_tree:.2f}), {len(self.leaf_S)} leaf sequences of "
+                f"{int(r.lengths[self.leaf_S].sum()):,} tokens, longest {int(r.lengths.max()):,}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -529,64 +625,225 @@ class Job:
     model: str
     workload: str
     runner: str
-    capacity: int | None
+    capacity: int | None  # tree runners: pack capacity
 
 
-def parse_config(text: str) -> tuple[str, str, list[int]]:
-    try:
-        model, workload, caps = text.split(":")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"config {text!r} must be MODEL:WORKLOAD:CAP[,CAP...]") from None
+def parse_config(text: str) -> tuple[str, str, list[int], list[str] | None]:
+    """``MODEL:WORKLOAD:CAP[,CAP...][:RUNNER+...]`` -> (model, workload, capacities, runners or None)."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4):
+        raise argparse.ArgumentTypeError(f"config {text!r} must be MODEL:WORKLOAD:CAP[,CAP...][:RUNNER+...]")
+    model, workload, caps = parts[:3]
+    runners = parts[3].split("+") if len(parts) == 4 else None
     if model not in MODELS:
         raise argparse.ArgumentTypeError(f"unknown model {model!r} (models: {', '.join(MODELS)})")
     if workload not in WORKLOADS:
         raise argparse.ArgumentTypeError(f"unknown workload {workload!r} (workloads: {', '.join(WORKLOADS)})")
-    return model, workload, [parse_size(c, what="capacity") for c in caps.split(",")]
+    for runner in runners or ():
+        if runner not in RUNNERS:
+            raise argparse.ArgumentTypeError(f"unknown runner {runner!r} (runners: {', '.join(RUNNERS)})")
+    try:
+        return model, workload, [parse_size(c, what="capacity") for c in caps.split(",")], runners
+    except TreepackError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def plan(configs: list[tuple[str, str, list[int]]], runners: list[str]) -> list[Job]:
-    """Jobs in run order: per config its baselines once and the tree runners per capacity; FlexAttention
-    (the slowest to compile, and the baseline that matters least here) after everything else."""
-    jobs = []
-    for model, workload, caps in configs:
-        for runner in sorted(runners, key=RUN_ORDER.index):
-            if runner == "tree/flex":
-                continue
+def plan(configs: list[tuple[str, str, list[int], list[str] | None]], runners: list[str]) -> list[Job]:
+    """Jobs in run order: config by config, its runners (``runners`` unless the config names its own) in
+    the order dense-leaf, tree, dense, tree/flex (the slowest to compile), the baselines once and the
+    tree runners per capacity; a job already planned is not repeated. A ``--deadline`` therefore cuts
+    the last configs first, and inside a config FlexAttention first."""
+    jobs: dict[tuple, Job] = {}
+    for model, workload, caps, own in configs:
+        for runner in sorted(own or runners, key=RUN_ORDER.index):
             for cap in (caps if runner.startswith("tree") else [None]):
-                jobs.append(Job(model, workload, runner, cap))
-    if "tree/flex" in runners:
-        jobs += [Job(m, w, "tree/flex", cap) for m, w, caps in configs for cap in caps]
-    return jobs
+                jobs.setdefault((model, workload, runner, cap), Job(model, workload, runner, cap))
+    return list(jobs.values())
+
+
+class Bench:
+    """Runs the jobs; holds one model on the device at a time, and the workloads and packs built so far."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, autocast_dtype: torch.dtype | None,
+                 log: Callable[[str], None]) -> None:
+        self.args, self.device, self.autocast_dtype, self.log = args, device, autocast_dtype, log
+        self.dense_tokens = parse_size(args.dense_tokens, what="--dense-tokens")
+        self.workloads: dict[tuple[str, bool], WorkloadInfo] = {}
+        self.works: dict[tuple, Work] = {}
+        self.trainer: Trainer | None = None
+        self.trainer_key: tuple | None = None
+        self.oom_tokens: dict[str, int] = {}  # model -> smallest forward that ran out of memory
+        self.results: list[Result] = []
+        self.checks: list[str] = []
+        self.checks_ok = True
+
+    def workload(self, name: str, model: str) -> WorkloadInfo:
+        """The workload's rollouts (ids renumbered for the tiny model) and its tree numbers."""
+        key = (name, model == "tiny")
+        if key not in self.workloads:
+            r = load_workload(name, self.args)
+            self.workloads[key] = WorkloadInfo.of(compact_ids(r)[0] if model == "tiny" else r)
+        return self.workloads[key]
+
+    def vocab(self, name: str, model: str) -> int:
+        return int(self.workload(name, model).rollouts.tokens.max()) + 1 if model == "tiny" else QWEN3_VOCAB
+
+    def work(self, job: Job) -> Work:
+        kind = job.runner if job.runner.startswith("dense") else "tree"  # tree/*: the same packs
+        key = (job.workload, job.model == "tiny", kind, job.capacity)
+        if key not in self.works:
+            info = self.workload(job.workload, job.model)
+            r = info.rollouts
+            if job.runner == "dense":
+                self.works[key] = Work.flat(micro_batches(r, np.arange(len(r)), self.dense_tokens))
+            elif job.runner == "dense-leaf":
+                self.works[key] = Work.flat(micro_batches(r, info.leaf_S, self.dense_tokens))
+            else:
+                self.works[key] = Work.tree(list(pack_rollouts(r, job.capacity)))
+        return self.works[key]
+
+    def trainer_for(self, job: Job) -> Trainer:
+        key = (job.model, self.vocab(job.workload, job.model))
+        if self.trainer_key != key:
+            self.trainer = self.trainer_key = None
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            t0 = time.perf_counter()
+            model = init_model(model_args(job.model, key[1]), self.device, self.args.seed)
+            self.trainer, self.trainer_key = Trainer(model, self.autocast_dtype), key
+            self.log(f"{job.model}: initialised on {self.device} in {time.perf_counter() - t0:.1f} s")
+        return self.trainer
+
+    def run(self, job: Job, started: float) -> Result:
+        res = Result(job.model, job.workload, job.runner, job.capacity)
+        self.results.append(res)
+        label = f"{job.model} {job.workload} {job.runner}"
+        label += f" @ {_cap(job.capacity)}" if job.capacity else ""
+        if self.args.deadline is not None and time.perf_counter() - started > self.args.deadline:
+            res.note = "skipped (deadline)"
+            self.log(f"{label}: {res.note}")
+            return res
+        try:
+            info = self.workload(job.workload, job.model)
+            if job.runner == "dense-leaf" and len(info.leaf_S) == len(info.rollouts):
+                res.note = "= dense (every sequence is a leaf)"
+                self.log(f"{label}: {res.note}")
+                return res
+            work = self.work(job)
+            trainer = self.trainer_for(job)
+        except Exception as exc:  # noqa: BLE001 - a workload or model that cannot be built: report, go on
+            res.note = f"error: {type(exc).__name__}: {exc}"[:200]
+            self.log(f"{label}: {res.note}")
+            return res
+        res.packs, res.tokens = len(work.packs), work.tokens
+        res.predicted, res.pairs = work.predicted, work.pairs
+        res.flops = model_shape(job.model, trainer.model.args).flops(work.tokens, work.predicted, work.pairs)
+        if job.runner.startswith("tree") and not any(c.startswith(job.model + ":") for c in self.checks):
+            line, passed = path_check_line(path_check(trainer, work.packs[0]), self.device)
+            self.checks.append(f"{job.model}: {line}: {'OK' if passed else 'FAILED'}")
+            self.checks_ok &= passed
+            self.log(self.checks[-1])
+        mode = make_mode("dense" if work.dense else "tree", chunk_rows=trainer.logits_chunk,
+                         attention=None if work.dense else job.runner.split("/")[1])
+        ckpt = work.largest >= self.oom_tokens.get(job.model, 1 << 62)
+        self.log(f"{label}: {res.packs} packs, {res.tokens:,} tokens, {res.flops / 1e12:.0f} TFLOP"
+                 + (" (activation checkpointing)" if ckpt else ""))
+        while True:
+            trainer.model.activation_checkpointing = ckpt
+            oom = False
+            try:
+                res.warmup_seconds, res.times, res.peak_gib, res.loss = measure(
+                    trainer, work, mode, self.args.repeats, self.args.max_step_seconds, self.log)
+                res.seconds, res.checkpointing = statistics.median(res.times), ckpt
+            except torch.cuda.OutOfMemoryError:
+                oom = True  # released below, outside the handler (its traceback holds the graph)
+            except Exception as exc:  # noqa: BLE001 - e.g. a backend that fails here: report, go on
+                res.note = f"error: {type(exc).__name__}: {exc}"[:200]
+                self.log(f"{label}: {res.note}")
+            finally:
+                trainer.model.activation_checkpointing = False
+            if not oom:
+                break
+            trainer.release()
+            if ckpt:
+                res.note = "out of memory (also with activation checkpointing)"
+                self.log(f"{label}: {res.note}")
+                break
+            self.oom_tokens[job.model] = min(self.oom_tokens.get(job.model, 1 << 62), work.largest)
+            ckpt = True
+            self.log(f"{label}: out of memory; again with activation checkpointing")
+        if res.ok and self.args.profile and self.device.type == "cuda" and job.runner == "tree/triton" \
+                and not any(r.profile for r in self.results if r.model == job.model):
+            trainer.model.activation_checkpointing = res.checkpointing
+            try:
+                res.profile, res.profile_top = profile_step(trainer, work.packs[0], mode)
+            except Exception as exc:  # noqa: BLE001 - the profile is extra: report, go on
+                self.log(f"{label}: profile failed: {type(exc).__name__}: {exc}")
+            finally:
+                trainer.model.activation_checkpointing = False
+        if res.ok:
+            rate = res.flops / res.seconds
+            self.log(f"{label}: {res.seconds:.3f} s/step (warm-up {res.warmup_seconds:.1f} s), "
+                     f"{rate / 1e12:.0f} TFLOP/s, peak {res.peak_gib:.1f} GiB")
+        return res
+
+    def report(self, header: list[str], ceiling: float) -> tuple[str, str]:
+        """(the markdown report, the short summary)."""
+        text = header + [f"- GPU path check: {c}" for c in self.checks] + [""]
+        for model, wl in dict.fromkeys((r.model, r.workload) for r in self.results):
+            info = self.workload(wl, model)
+            m = model_args(model, self.vocab(wl, model))
+            shape = (f"{m.num_layers} layers, d {m.hidden_size}, {m.num_heads}/{m.num_kv_heads} heads of "
+                     f"{m.head_dim}, FFN {m.intermediate_size}, vocab {m.vocab_size:,} (tied); non-embedding "
+                     f"parameters {model_shape(model, m).non_embedding_params / 1e6:,.1f}M.")
+            text += [f"## {model} on {wl}: {info.describe()}", "", shape, "",
+                     section_table([r for r in self.results if (r.model, r.workload) == (model, wl)],
+                                   int(info.rollouts.offsets[-1]), ceiling)]
+            text += [profile_table(r) for r in self.results
+                     if (r.model, r.workload) == (model, wl) and r.profile]
+        table, verdicts = summary(self.results, ceiling)
+        title = "## Targets (DESIGN §9): tree >= 90% of the FLOP-model ideal speedup over both baselines, " \
+                "MFU >= 45%"
+        text += [title, "", table] + [f"- {v}" for v in verdicts]
+        return "\n".join(text) + "\n", table + "\n".join(verdicts) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 epilog="Model shapes: " + ", ".join(MODELS) + ". Workloads: " + "; ".join(
-                                     f"{k} ({v})" for k, v in WORKLOADS.items()))
-    ap.add_argument("--configs", nargs="+", type=parse_config, default=[parse_config(c) for c in DEFAULT_CONFIGS],
-                    metavar="MODEL:WORKLOAD:CAPS", help="e.g. qwen3-0.6b:tau-bench:16k,32k (tree capacities)")
+                                 epilog="Models: " + ", ".join(MODELS) + ". Workloads: " + "; ".join(
+                                     f"{k} ({v})" for k, v in WORKLOADS.items()) + ".")
+    ap.add_argument("--configs", nargs="+", type=parse_config,
+                    default=[parse_config(c) for c in DEFAULT_CONFIGS],
+                    metavar="MODEL:WORKLOAD:CAPS[:RUNNERS]",
+                    help="e.g. qwen3-0.6b:tau-bench:16K,32K (tree capacities; K = 1024), optionally with "
+                         "its own runners: qwen3-1.7b:tau-bench:32K:dense-leaf+tree/triton")
     ap.add_argument("--runners", default="dense,dense-leaf,tree/triton,tree/flex",
-                    type=lambda s: [x.strip() for x in s.split(",") if x.strip()])
-    ap.add_argument("--dense-tokens", default="32k", help="flat tokens per micro-batch of the dense runners")
+                    type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                    help=f"comma-separated, of: {', '.join(RUNNERS)}")
+    ap.add_argument("--dense-tokens", default="32K", help="flat tokens per micro-batch of the dense runners")
     ap.add_argument("--tau-bench", type=Path, default=TAU_BENCH, help="real rollouts (Parquet or JSONL)")
     ap.add_argument("--tau-records", type=int, default=144, help="tau-bench: the first N records")
-    ap.add_argument("--synth-trees", type=int, default=1, help="synthetic workloads: trees (tasks) to generate")
+    ap.add_argument("--synth-trees", type=int, default=1, help="synthetic workloads: trees (tasks)")
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per runner (after one warm-up)")
     ap.add_argument("--max-step-seconds", type=float, default=5.0,
                     help="stop timing a runner after a step longer than this (at least one timed step)")
-    ap.add_argument("--deadline", type=float, default=None, help="seconds from start after which no job starts")
+    ap.add_argument("--deadline", type=float, default=None, help="no job starts after these seconds")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one step over the first pack of each model's first tree/triton run: "
+                         "GPU time by kernel group")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (tiny model)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None, help="write the markdown report here (rewritten after each job)")
-    ap.add_argument("--json-out", type=Path, default=None, help="write the raw results (JSON) here")
+    ap.add_argument("--out", type=Path, default=None, help="markdown report (rewritten after each job)")
+    ap.add_argument("--json-out", type=Path, default=None, help="raw results (JSON), rewritten per job")
     args = ap.parse_args(argv)
+    command = " ".join(sys.argv[1:] if argv is None else argv)
     for runner in args.runners:
         if runner not in RUNNERS:
             ap.error(f"unknown runner {runner!r} (runners: {', '.join(RUNNERS)})")
-    dense_tokens = parse_size(args.dense_tokens, what="--dense-tokens")
     if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("CUDA is not available: use --device cpu (smoke run)")
-    start = time.perf_counter()
+        ap.error("CUDA is not available: use --device cpu (a smoke run)")
+    started = time.perf_counter()
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -596,164 +853,41 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         import triton
 
-        hw = (f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}, triton {triton.__version__}, "
-              f"Python {platform.python_version()}")
+        hw = (f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}, "
+              f"triton {triton.__version__}, Python {platform.python_version()}")
+        ceiling_line = ("- bf16 matmul ceiling (8192^3 torch.matmul, random data, median of 20): "
+                        f"{ceiling / 1e12:.0f} TFLOP/s")
     else:
-        hw = f"CPU smoke run ({platform.processor() or platform.machine()}); torch {torch.__version__}"
-    log(f"{hw}; matmul ceiling {ceiling / 1e12:.0f} TFLOP/s")
-    jobs = plan(args.configs, args.runners)
-
-    workloads: dict[str, tuple[Rollouts, int]] = {}
-    works: dict[tuple, Work] = {}
-    results: list[Result] = []
-    checks: list[str] = []
-    oom_tokens: dict[str, int] = {}  # model -> smallest pack size that ran out of memory
-    current: dict = {}  # the model on the device: {"name", "vocab", "trainer"}
-
-    def workload(name: str) -> tuple[Rollouts, int]:
-        if name not in workloads:
-            r = load_workload(name, args)
-            workloads[name] = (r, QWEN3_VOCAB)
-        return workloads[name]
-
-    def work_of(model: str, wl: str, runner: str, cap: int | None) -> Work:
-        key = (model == "tiny", wl, "dense" if runner == "dense" else runner.split("/")[0], cap)
-        if key not in works:
-            r, _ = workload(wl)
-            if model == "tiny":
-                r, _ = compact_ids(r)
-            if runner == "dense":
-                works[key] = Work.dense(micro_batches(r, np.arange(len(r)), dense_tokens))
-            elif runner == "dense-leaf":
-                works[key] = Work.dense(micro_batches(r, leaf_sequences(r), dense_tokens))
-            else:
-                works[key] = Work.tree(list(pack_rollouts(r, cap)))
-        return works[key]
-
-    def trainer_for(model: str, wl: str) -> Trainer:
-        vocab = compact_ids(workload(wl)[0])[1] if model == "tiny" else QWEN3_VOCAB
-        if current.get("name") != model or current.get("vocab") != vocab:
-            current.clear()
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            t0 = time.perf_counter()
-            current.update(name=model, vocab=vocab,
-                           trainer=Trainer(init_model(model_args(model, vocab), device, args.seed), autocast_dtype))
-            log(f"{model}: initialised on {device} in {time.perf_counter() - t0:.1f} s")
-        return current["trainer"]
-
-    def report() -> tuple[str, str]:
-        text = [f"# Training step: tree packs vs dense baselines — {dt.date.today().isoformat()}", "",
-                f"- hardware: {hw}",
-                f"- bf16 matmul ceiling (8192^3 torch.matmul, random data, median of 20): {ceiling / 1e12:.0f} TFLOP/s"
-                if device.type == "cuda" else f"- matmul ceiling (float32, 512^3): {ceiling / 1e9:.1f} GFLOP/s",
-                f"- command: `python benchmarks/train_step.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
-                f"- step: GRPO loss (token mean), {'bf16 autocast, float32 weights and AdamW state' if autocast_dtype else 'float32'}, "
-                f"gradient clipping 1.0, AdamW; dense micro-batches <= {dense_tokens:,} flat tokens; "
-                f"{args.repeats} timed steps after one warm-up (fewer when a step exceeds {args.max_step_seconds:g} s)",
-                ""]
-        text += [f"GPU path check: {c}" for c in checks] + ([""] if checks else [])
-        for (model, wl) in dict.fromkeys((r.model, r.workload) for r in results):
-            rs = [r for r in results if r.model == model and r.workload == wl]
-            r0, _ = workload(wl)
-            n_flat = int(r0.offsets[-1])
-            leaf = leaf_sequences(r0)
-            whole_tree = PrefixTree.from_arrays(r0.tokens, r0.offsets).n_tree_tokens
-            args_m = model_args(model, QWEN3_VOCAB if model != "tiny" else current.get("vocab", 0) or 1)
-            text += [f"## {model} on {wl}: {len(r0)} sequences, N_flat {n_flat:,}, N_tree {whole_tree:,} "
-                     f"(C {n_flat / whole_tree:.2f}), {len(leaf)} leaf sequences of {int(r0.lengths[leaf].sum()):,} "
-                     f"tokens, longest {int(r0.lengths.max()):,}", "",
-                     f"{args_m.num_layers} layers, d {args_m.hidden_size}, {args_m.num_heads}/{args_m.num_kv_heads} "
-                     f"heads of {args_m.head_dim}, FFN {args_m.intermediate_size}, vocab {args_m.vocab_size:,}, tied; "
-                     f"non-embedding parameters {model_shape(model, args_m).non_embedding_params / 1e6:,.0f}M.", "",
-                     section_table(rs, n_flat, ceiling)]
-        table, verdicts = summary(results, ceiling)
-        text += ["## Targets (DESIGN §9): tree >= 90% of the FLOP-model ideal speedup over both baselines; MFU >= 45%",
-                 "", table] + [f"- {v}" for v in verdicts]
-        return "\n".join(text) + "\n", table + "\n".join(verdicts)
+        hw = f"CPU smoke run, numbers not meaningful ({platform.machine()}); torch {torch.__version__}"
+        ceiling_line = f"- float32 matmul ceiling (512^3): {ceiling / 1e9:.1f} GFLOP/s"
+    log(f"{hw}; {ceiling_line[2:]}")
+    header = [f"# Training step: tree packs vs dense baselines, {dt.date.today().isoformat()}", "",
+              f"- hardware: {hw}", ceiling_line,
+              f"- command: `python benchmarks/train_step.py {command}`",
+              (f"- step: GRPO loss (token mean), "
+               f"{'bf16 autocast over float32 weights and AdamW state' if autocast_dtype else 'float32'}, "
+               f"gradient clipping 1.0, AdamW; dense micro-batches <= {parse_size(args.dense_tokens):,} flat "
+               f"tokens; {args.repeats} timed steps after one warm-up (fewer when a step takes over "
+               f"{args.max_step_seconds:g} s), median")]
+    bench = Bench(args, device, autocast_dtype, log)
 
     def flush() -> None:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(report()[0])
+            args.out.write_text(bench.report(header, ceiling)[0])
         if args.json_out:
             args.json_out.parent.mkdir(parents=True, exist_ok=True)
-            args.json_out.write_text(json.dumps({"hardware": hw, "ceiling_flops": ceiling, "path_checks": checks,
-                                                 "results": [dataclasses.asdict(r) for r in results]}, indent=1))
+            raw = {"hardware": hw, "ceiling_flops": ceiling, "path_checks": bench.checks,
+                   "results": [dataclasses.asdict(r) for r in bench.results]}
+            args.json_out.write_text(json.dumps(raw, indent=1))
 
-    checked: set[str] = set()
-    ok = True
-    for job in jobs:
-        model, wl, runner, cap = job.model, job.workload, job.runner, job.capacity
-        label = f"{model} {wl} {runner}" + (f" @ {cap:,}" if cap else "")
-        res = Result(model, wl, runner, cap)
-        results.append(res)
-        if args.deadline is not None and time.perf_counter() - start > args.deadline:
-            res.note = "skipped (deadline)"
-            log(f"{label}: skipped (deadline)")
-            continue
-        try:
-            r, _ = workload(wl)
-            if runner == "dense-leaf" and len(leaf_sequences(r)) == len(r):
-                res.note = "= dense (every sequence is a leaf)"
-                log(f"{label}: every sequence is a leaf, dense-leaf = dense")
-                continue
-            work = work_of(model, wl, runner, cap)
-            trainer = trainer_for(model, wl)
-        except Exception as exc:  # a workload or model that cannot be built: report, go on
-            res.note = f"error: {type(exc).__name__}: {exc}"[:200]
-            log(f"{label}: {res.note}")
-            flush()
-            continue
-        shape = model_shape(model, trainer.model.args)
-        res.packs, res.tokens, res.predicted, res.pairs = len(work.packs), work.tokens, work.predicted, work.pairs
-        res.flops = shape.flops(work.tokens, work.predicted, work.pairs)
-        if model not in checked and runner.startswith("tree"):
-            checked.add(model)
-            line, passed = path_check_line(path_check(trainer, work.packs[0]), device)
-            checks.append(f"{model}: {line}: {'OK' if passed else 'FAILED'}")
-            ok &= passed
-            log(checks[-1])
-        mode = make_mode("dense") if runner.startswith("dense") else make_mode("tree", attention=runner.split("/")[1])
-        biggest = max(int(p.seq_offsets[-1]) if runner.startswith("dense") else p.n_tokens for p in work.packs)
-        ckpt = biggest >= oom_tokens.get(model, 1 << 62)
-        log(f"{label}: {res.packs} packs, {res.tokens:,} tokens, {res.flops / 1e12:.0f} TFLOP"
-            + (" (activation checkpointing)" if ckpt else ""))
-        while True:
-            trainer.model.activation_checkpointing = ckpt
-            oom = False
-            try:
-                res.warmup_seconds, res.times, res.peak_gib, res.loss = measure(
-                    trainer, work, mode, runner, args.repeats, args.max_step_seconds, log)
-                res.seconds = statistics.median(res.times)
-                res.checkpointing = ckpt
-            except torch.cuda.OutOfMemoryError:
-                oom = True
-            except Exception as exc:  # e.g. a backend that does not compile here: report, go on
-                res.note = f"error: {type(exc).__name__}: {exc}"[:200]
-                log(f"{label}: {res.note}")
-            finally:
-                trainer.model.activation_checkpointing = False
-            if not oom:
-                break
-            trainer.release()
-            if ckpt:
-                res.note = "out of memory (also with activation checkpointing)"
-                log(f"{label}: {res.note}")
-                break
-            oom_tokens[model] = min(oom_tokens.get(model, 1 << 62), biggest)
-            ckpt = True
-            log(f"{label}: out of memory; again with activation checkpointing")
-        if res.ok:
-            log(f"{label}: {res.seconds:.3f} s/step (warm-up {res.warmup_seconds:.1f} s), "
-                f"{res.flops / res.seconds / 1e12:.0f} TFLOP/s, MFU {_pct(res.flops / res.seconds / ceiling)}, "
-                f"peak {res.peak_gib:.1f} GiB")
+    for job in plan(args.configs, args.runners):
+        bench.run(job, started)
         flush()
-    full, short = report()
-    print(full if not args.out else short)
-    log(f"total {time.perf_counter() - start:.0f} s")
-    return 0 if ok else 1
+    full, short = bench.report(header, ceiling)
+    print(short if args.out else full, end="")
+    log(f"total {time.perf_counter() - started:.0f} s")
+    return 0 if bench.checks_ok else 1
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def verify(
     dtype: str = typer.Option("float64", "--dtype", help="float64 | float32 | bfloat16 | float16."),
     loss: str = typer.Option("sft", "--loss", help="sft | grpo (advantages from the data, else synthetic)."),
     normalization: str = typer.Option("token", "--normalization", help="token | sequence."),
-    packs: int = typer.Option(2, "--packs", help="Verify the first N packs (0 = all)."),
+    packs: int = typer.Option(1, "--packs", help="Verify the first N packs (0 = all)."),
     capacity: str = typer.Option("16k", "--capacity", help="Pack capacity when packing rollout files."),
     attention: str = typer.Option("auto", "--attention", help="Tree kernel: auto | reference | flex | triton."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda."),

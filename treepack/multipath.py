@@ -32,7 +32,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
+
 INF = float("inf")
+MAX_STATES = 10_000  # the exact DP gives up (BudgetExceeded) when a node has more Pareto candidates
+WIDE_BINS = 32  # beam: a node whose children bring more bins than this (or more than WIDE_KIDS children)
+WIDE_KIDS = 16  # ... is packed by best-fit decreasing of its children's cheapest states
 
 
 class BudgetExceeded(Exception):
@@ -88,7 +93,11 @@ def solve(view: TreeView, C: int, slack: float, *, beam: int | None = None, budg
         else:
             inner = C - view.depth[v] - w
             own = view.lbx_sub[v] - sum(view.lbx_sub[c] for c in view.kids[v])
-            partial = _combine(view, view.kids[v], states, tight, inner, slack, outside(), w, own, beam, budget, work)
+            if beam is not None and _wide(view.kids[v], states):
+                partial = [_best_fit_decreasing(view.kids[v], states, inner)]
+            else:
+                partial = _combine(view, view.kids[v], states, tight, inner, slack, outside(), w, own, beam, budget,
+                                   work)
             sts = []
             for st in partial:
                 bins = [(load + w, m) for load, m in st]
@@ -104,7 +113,10 @@ def solve(view: TreeView, C: int, slack: float, *, beam: int | None = None, budg
         pending["lbx"] += view.lbx_sub[v]
         pending["tight"] += tight[v]
     roots = view.roots
-    final = _combine(view, roots, states, tight, C, slack, outside(), 0, 0, beam, budget, work, last=True)
+    if beam is not None and _wide(roots, states):
+        final = [_best_fit_decreasing(roots, states, C)]
+    else:
+        final = _combine(view, roots, states, tight, C, slack, outside(), 0, 0, beam, budget, work, last=True)
     if not final:
         return None
     best = final[0]
@@ -145,8 +157,35 @@ def _combine(view, kids, states, tight, inner, slack, outside, w, own_lbx, beam,
                 return []
             key = min(keep, key=lambda kk: (sum(kk), len(kk)))
             return [keep[key]]
-        partial = _pareto(keep) if beam is None else _select(keep, beam)
+        if beam is None and budget is not None and len(keep) > MAX_STATES:
+            raise BudgetExceeded
+        partial = _pareto(keep) if beam is None else _select(_pareto(keep), beam)
     return list(partial.values())
+
+
+def _wide(kids: list[int], states: dict) -> bool:
+    return len(kids) > WIDE_KIDS or sum(max(len(st) for st in states[c]) for c in kids) > WIDE_BINS
+
+
+def _best_fit_decreasing(kids: list[int], states: dict, inner: int) -> tuple:
+    """All bins of each child's cheapest state, heaviest first, each into the fullest bin it fits."""
+    items = []
+    for c in kids:
+        items.extend(min(states.pop(c), key=lambda st: (sum(b[0] for b in st), len(st))))
+    items.sort(key=lambda b: -b[0])
+    bins: list[list] = []
+    room: list[tuple[int, int]] = []  # sorted (residual, bin index)
+    for load, m in items:
+        i = bisect.bisect_left(room, (load, -1))
+        if i < len(room):
+            r, j = room.pop(i)
+            bins[j][0] += load
+            bins[j][1] = (bins[j][1], m)
+            bisect.insort(room, (r - load, j))
+        else:
+            bisect.insort(room, (inner - load, len(bins)))
+            bins.append([load, m])
+    return tuple(sorted(((b[0], b[1]) for b in bins), key=lambda b: -b[0]))
 
 
 def _assign_all(cur: tuple, items: tuple, inner: int, out: dict, work: list, budget: int | None) -> None:
@@ -215,13 +254,52 @@ def _fit(cur: tuple, items: tuple, inner: int, best: bool) -> tuple:
 
 
 def _pareto(states: dict[tuple, tuple]) -> dict[tuple, tuple]:
-    """Drop dominated states: no more bins and, heaviest matched to heaviest, none heavier."""
-    keys = sorted(states, key=lambda k: (len(k), sum(k)))
-    kept: list[tuple] = []
-    for k in keys:
-        if not any(len(a) <= len(k) and all(x <= y for x, y in zip(a, k)) for a in kept):
-            kept.append(k)
-    return {k: states[k] for k in kept}
+    """Drop dominated states: no more bins and, heaviest matched to heaviest, none heavier.
+
+    Vectorised by number of bins m: a state is dropped if a kept state with l < m bins is elementwise no
+    heavier than its l heaviest loads, or another state with m bins is elementwise no heavier.
+    """
+    if len(states) <= 16:
+        keys = sorted(states, key=lambda k: (len(k), sum(k)))
+        kept: list[tuple] = []
+        for k in keys:
+            if not any(len(a) <= len(k) and all(x <= y for x, y in zip(a, k)) for a in kept):
+                kept.append(k)
+        return {k: states[k] for k in kept}
+    groups: dict[int, list[tuple]] = {}
+    for k in states:
+        groups.setdefault(len(k), []).append(k)
+    kept_arrays: list[np.ndarray] = []
+    out: dict[tuple, tuple] = {}
+    for m in sorted(groups):
+        keys = groups[m]
+        A = np.asarray(keys, dtype=np.int64).reshape(len(keys), m)
+        dead = np.zeros(len(keys), dtype=bool)
+        for K in kept_arrays:  # fewer bins
+            dead |= _dominated(K, A[:, : K.shape[1]])
+        alive = np.flatnonzero(~dead)
+        B = A[alive]
+        same = _dominated(B, B, strict=True)
+        alive = alive[~same]
+        kept_arrays.append(A[alive])
+        for i in alive.tolist():
+            out[keys[i]] = states[keys[i]]
+    return out
+
+
+def _dominated(K: np.ndarray, A: np.ndarray, strict: bool = False) -> np.ndarray:
+    """For each row a of A: is some row of K elementwise <= a (another row, when K is A itself)?"""
+    out = np.zeros(len(A), dtype=bool)
+    if len(K) == 0 or len(A) == 0:
+        return out
+    step = max(1, 4_000_000 // (len(K) * max(1, A.shape[1])))
+    for lo in range(0, len(A), step):
+        le = np.all(K[None, :, :] <= A[lo : lo + step, None, :], axis=2)  # [a, k]
+        if strict:
+            idx = np.arange(lo, min(lo + step, len(A)))
+            le[idx - lo, idx] = False
+        out[lo : lo + step] = le.any(axis=1)
+    return out
 
 
 def _select(states: dict[tuple, tuple], beam: int) -> dict[tuple, tuple]:

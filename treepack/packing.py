@@ -36,6 +36,7 @@ Strategies (all on the same tree; packs never cross a ``step``, sharing never cr
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ OPTIMAL_BUDGET = 2_000_000
 BEST_EXACT_BUDGET = 20_000  # `best` runs the exact DP on steps of <= OPTIMAL_MAX_SEQUENCES within this budget
 BEAM = 4  # states kept per node by the beam DP in `best`
 BEAM_MAX_SEQUENCES = 20_000  # the beam DP runs on steps up to this size
+FEW_ORDERS_ABOVE = 50_000  # `best` cuts fewer candidate orders above this many sequences
 
 
 @dataclass
@@ -510,40 +512,38 @@ def next_fit(f: _Forest, perm: np.ndarray) -> np.ndarray:
 
 
 def contiguous_cut(f: _Forest, perm: np.ndarray) -> np.ndarray:
-    """The optimal cut of an order into contiguous packs: min sum of lcp at pack starts (ties: fewer packs).
+    """The optimal cut of an order into contiguous packs: min sum of lcp at pack starts.
 
     f[b] = min over a of f[a-1] + lcp_a, over a with lcp_a + sum_{k=a..b} add_k <= C, i.e. with
     g(a) = D(a) - L_a >= D(b) - C (D = prefix sums of add = L - lcp). D(b) grows with b, so a start that
-    becomes infeasible stays so: a min-heap with lazy deletion gives O(n log n).
+    becomes infeasible stays so: a min-heap with lazy deletion gives O(n log n). Heap keys are single ints
+    ``cost * M + a`` (ties go to the earlier start, which tends to need fewer packs).
     """
     C = f.C
     lcp = f.order_lcp(perm)
     L = f.L[perm]
-    add = L - lcp
-    D = np.cumsum(add)
+    D = np.cumsum(L - lcp)
     g = (D - L).tolist()
     Dl = D.tolist()
     lcpl = lcp.tolist()
-    bl = f.batch[perm].tolist()
     n = len(perm)
+    M = n + 1
     choice = [0] * n
-    cost = [0] * (n + 1)  # cost[b+1]: best over the first b+1 sequences
-    npk = [0] * (n + 1)
-    heap: list[tuple[int, int, int]] = []
     push, pop = heapq.heappush, heapq.heappop
-    prev_b = -1
-    for k in range(n):
-        if bl[k] != prev_b:  # packs never cross a batch
-            heap.clear()
-            prev_b = bl[k]
-        push(heap, (cost[k] + lcpl[k], npk[k] + 1, k))
-        lim = Dl[k] - C
-        while g[heap[0][2]] < lim:
-            pop(heap)
-        c, m, a = heap[0]
-        cost[k + 1] = c
-        npk[k + 1] = m
-        choice[k] = a
+    batch_of = f.batch[perm]
+    bounds = np.flatnonzero(np.r_[True, batch_of[1:] != batch_of[:-1], True]).tolist() if n else [0]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):  # packs never cross a batch
+        heap: list[int] = []
+        cost_prev = 0  # best cost of the sequences before k
+        for k in range(lo, hi):
+            push(heap, (cost_prev + lcpl[k]) * M + k)
+            lim = Dl[k] - C
+            top = heap[0]
+            while g[top % M] < lim:
+                pop(heap)
+                top = heap[0]
+            cost_prev = top // M
+            choice[k] = top % M
     lab_sorted = np.empty(n, dtype=np.int64)
     k = n - 1
     groups = []
@@ -571,8 +571,6 @@ def bottom_up_labels(f: _Forest) -> tuple[np.ndarray, np.ndarray]:
     may so share two packs, which no contiguous cut of a DFS order can express. The key lists each
     node's children in the order of the bins they joined (bins by creation, largest items first).
     """
-    import bisect
-
     t = f.t
     C = f.C
     V = t.n_nodes
@@ -580,15 +578,17 @@ def bottom_up_labels(f: _Forest) -> tuple[np.ndarray, np.ndarray]:
     wlen = t.node_len.tolist()
     end_depth = f.end_depth.tolist()
     node_batch = f.node_batch().tolist()
+    n_kids = t.node_children.tolist()
     en = f.end_node
     ends_first = np.searchsorted(en, np.arange(V), side="left").tolist()
     ends_last = np.searchsorted(en, np.arange(V), side="right").tolist()
-    pending: list[list] = [[] for _ in range(V)]
+    pending: list[list | None] = [None] * V  # (load, bin id, child node) of the children's bins
     n_batches = len(f.batch_bounds) - 1
     root_pending: list[list] = [[] for _ in range(n_batches)]
     bin_parent: list[int] = []
     seq_bin = np.empty(f.n, dtype=np.int64)
-    key = np.zeros(V, dtype=np.int64)
+    key = [0] * V
+    bisect_left, insort = bisect.bisect_left, bisect.insort
 
     def best_fit(items: list, inner: int) -> list[list]:
         """items: (load, bin id, node); returns bins [sum, [bin ids]] (largest items first)."""
@@ -596,16 +596,16 @@ def bottom_up_labels(f: _Forest) -> tuple[np.ndarray, np.ndarray]:
         bins: list[list] = []
         residual: list[tuple[int, int]] = []  # sorted (residual, bin index)
         for load, bid, node in items:
-            j = bisect.bisect_left(residual, (load, -1))
+            j = bisect_left(residual, (load, -1))
             if j < len(residual):
                 r, k = residual.pop(j)
                 bins[k][0] += load
                 bins[k][1].append(bid)
-                bisect.insort(residual, (r - load, k))
+                insort(residual, (r - load, k))
             else:
                 k = len(bins)
                 bins.append([load, [bid]])
-                bisect.insort(residual, (inner - load, k))
+                insort(residual, (inner - load, k))
             if node >= 0 and (key[node] == 0 or k + 1 < key[node]):
                 key[node] = k + 1
         return bins
@@ -613,23 +613,32 @@ def bottom_up_labels(f: _Forest) -> tuple[np.ndarray, np.ndarray]:
     for v in range(V - 1, -1, -1):
         items = pending[v]
         w = wlen[v]
-        if items:
-            bins = best_fit(items, C - end_depth[v])
-        else:
-            bins = [[0, []]]
-        out = []
-        for load, members in bins:
+        if items is None:  # a leaf: one new bin
             bid = len(bin_parent)
             bin_parent.append(-1)
-            for m in members:
-                bin_parent[m] = bid
-            out.append((load + w, bid, v))
+            out = [(w, bid, v)]
+        elif n_kids[v] == 1:  # one child: its bins did not fit together there, nor will they here
+            out = [(load + w, bid, v) for load, bid, _ in items]
+            key[items[0][2]] = 1
+        else:
+            out = []
+            for load, members in best_fit(items, C - end_depth[v]):
+                bid = len(bin_parent)
+                bin_parent.append(-1)
+                for m in members:
+                    bin_parent[m] = bid
+                out.append((load + w, bid, v))
         a, e = ends_first[v], ends_last[v]
         if e > a:
             seq_bin[a:e] = out[0][1]
         p = parent[v]
-        (pending[p] if p >= 0 else root_pending[node_batch[v]]).extend(out)
-        pending[v] = []
+        if p < 0:
+            root_pending[node_batch[v]].extend(out)
+        elif pending[p] is None:
+            pending[p] = out
+        else:
+            pending[p].extend(out)
+        pending[v] = None
     for b in range(n_batches):
         for load, members in best_fit(root_pending[b], C):
             bid = len(bin_parent)
@@ -641,7 +650,7 @@ def bottom_up_labels(f: _Forest) -> tuple[np.ndarray, np.ndarray]:
     for b in range(len(bp) - 1, -1, -1):
         top[b] = b if bp[b] < 0 else top[bp[b]]
     labels = _renumber(f, top[seq_bin])
-    return labels, key
+    return labels, np.asarray(key, dtype=np.int64)
 
 
 def _renumber(f: _Forest, labels: np.ndarray) -> np.ndarray:
@@ -741,14 +750,17 @@ def areal_dta_key(f: _Forest) -> np.ndarray:
 
 
 def candidate_orders(f: _Forest) -> dict[str, np.ndarray]:
-    """DFS leaf orders worth cutting: the child orders that decide which subtrees end up side by side."""
+    """DFS leaf orders worth cutting: the child orders that decide which subtrees end up side by side.
+
+    Above ``FEW_ORDERS_ABOVE`` sequences only the two that ever won alone in the benchmark are cut (plus the
+    bottom-up bin order in ``best_labels``), to stay within the time budget on 100M-token inputs.
+    """
     size = f.t.node_end - f.t.node_start
-    return {
-        "lexicographic": np.arange(f.n, dtype=np.int64),
-        "size-desc": f.dfs_order(-size),
-        "deepest-first": dfs_order_deepest_first(f),
-        "areal-dta": f.dfs_order(areal_dta_key(f)),
-    }
+    orders = {"lexicographic": np.arange(f.n, dtype=np.int64), "size-desc": f.dfs_order(-size)}
+    if f.n <= FEW_ORDERS_ABOVE:
+        orders["deepest-first"] = dfs_order_deepest_first(f)
+        orders["areal-dta"] = f.dfs_order(areal_dta_key(f))
+    return orders
 
 
 def _per_batch(f: _Forest, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,11 @@
+"""Training on packs: one model, one loss, several execution modes with the same gradients.
+
+- ``config``: the TOML config as nested dataclasses (``treepack train config.toml``);
+- ``model``: Qwen3 / Qwen2 / Llama decoder driven by ``position_ids`` and an ``AttentionContext``;
+- ``losses``: per-(sequence, token) rows, SFT and GRPO/PPO-clip, global-batch normalisation;
+- ``modes``: ``dense`` (each sequence separately) and ``tree`` (one pass per pack); ``dfs`` in ``dfs``;
+- ``data``: packs from shard directories or rollouts packed on the fly, global batches;
+- ``loop``, ``checkpoint``: the training loop, save/resume; ``verify``: every mode against dense.
+
+Importing this package imports nothing heavy; the submodules other than ``config`` and ``data`` need torch.
+"""

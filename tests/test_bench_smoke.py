@@ -1,0 +1,51 @@
+"""CPU smoke run of ``benchmarks/train_step.py``: a tiny model through the CPU runners, checking the FLOP
+model's inputs against the data and that the report carries every table (the GPU numbers come from
+`make bench-gpu`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+
+
+def load_bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("train_step_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses resolve annotations there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_step_benchmark_cpu_smoke(tmp_path, monkeypatch):
+    bench = load_bench(monkeypatch)
+    out, raw = tmp_path / "report.md", tmp_path / "raw.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads only add contention
+    try:
+        rc = bench.main(["--device", "cpu", "--configs", "tiny:tau-bench:2K", "--tau-records", "2",
+                         "--runners", "dense,dense-leaf,tree/reference", "--repeats", "1",
+                         "--out", str(out), "--json-out", str(raw)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    results = {r["runner"]: r for r in json.loads(raw.read_text())["results"]}
+    assert set(results) == {"dense", "dense-leaf", "tree/reference"}
+    assert all(r["seconds"] > 0 and r["note"] == "" for r in results.values())
+    # The first two records of the sample: a 1,308-token record and its 1,399-token extension (a chain).
+    dense, leaf, tree = results["dense"], results["dense-leaf"], results["tree/reference"]
+    assert dense["tokens"] == 1308 + 1399 and leaf["tokens"] == tree["tokens"] == 1399
+    chain = 1399 * 1400 // 2  # visible pairs of one causal sequence of 1,399 tokens
+    assert dense["pairs"] == 1308 * 1309 // 2 + chain and tree["pairs"] == leaf["pairs"] == chain
+    assert tree["flops"] < dense["flops"]
+    text = out.read_text()
+    for needle in ("GPU path check: tiny:", "## tiny on tau-bench: 2 sequences", "| tree/reference | 2K | 1 |",
+                   "## Targets (DESIGN §9)", "- tiny tau-bench 2K tree/reference: >= 90%"):
+        assert needle in text
