@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -9,10 +10,10 @@ from typing import List, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-
-from treepack.balance import BALANCE_COSTS
 from treepack.cli.common import console, err_console, handle_errors
 from treepack.cli.stats import load_with_progress
+
+from treepack.balance import BALANCE_COSTS
 from treepack.errors import InputError, TreepackError
 from treepack.packing import OVERSIZE, STRATEGIES, Packing, describe_sequence, pack_sequences
 from treepack.rollouts import Rollouts
@@ -22,6 +23,12 @@ from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES, compute_stats
 from treepack.tree import SCOPES, PrefixTree
 
 PROGRESS_MIN_PACKS = 200  # show the shard-writing progress bar from this many packs
+PROGRESS_MIN_TOKENS = 20_000_000  # show a spinner while packing inputs this big
+
+
+def _status(message: str, hidden: bool):
+    """A transient spinner on stderr (nothing when ``hidden`` or when stderr is not a terminal)."""
+    return contextlib.nullcontext() if hidden else err_console.status(message)
 
 
 def size_option(text: str, option: str, what: str) -> int:
@@ -95,9 +102,10 @@ def pack(
         reasons = ", ".join(f"{v} {k}" for k, v in rollouts.skipped.most_common())
         raise InputError("no sequences to pack" + (f": {rollouts.n_skipped} bad record(s) skipped ({reasons})" if reasons else ""))
     t_read = time.perf_counter() - t0
-    tree = PrefixTree.build(rollouts, group_by=group_by)
-    st = compute_stats(tree, rollouts=rollouts, model=model, top_groups=0)
-    p = pack_sequences(rollouts, pack_cap, strategy=strategy, group_by=group_by, oversize=oversize, tree=tree)
+    with _status(f"packing {rollouts.n_tokens:,} tokens ({strategy})", quiet or rollouts.n_tokens < PROGRESS_MIN_TOKENS):
+        tree = PrefixTree.build(rollouts, group_by=group_by)
+        st = compute_stats(tree, rollouts=rollouts, model=model, top_groups=0)
+        p = pack_sequences(rollouts, pack_cap, strategy=strategy, group_by=group_by, oversize=oversize, tree=tree)
     t_pack = time.perf_counter() - t0 - t_read
     if p.n_packs == 0:
         raise InputError(f"no sequence fits the capacity {pack_cap:,}: all {p.n_oversize_skipped:,} are longer")
@@ -108,8 +116,8 @@ def pack(
                 "--model": DEFAULT_MODEL, "--oversize": "error", "--group-by": "none", "--on-error": "raise"}
     command = " ".join(["treepack pack", *map(_quote, files)] + [
         f"{k} {_quote(str(v))}" for k, v in options.items() if v is not None and defaults.get(k) != v])
-    kwargs = dict(pad_to=pad_to, shard_size=shard_size, balance=balance, balance_cost=balance_cost, model=model,
-                  group_by=group_by, stats=st, command=command)
+    kwargs = {"pad_to": pad_to, "shard_size": shard_size, "balance": balance, "balance_cost": balance_cost, "model": model,
+                  "group_by": group_by, "stats": st, "command": command}
     if quiet or p.n_packs < PROGRESS_MIN_PACKS:
         manifest = write_shards(rollouts, p, out, **kwargs)
     else:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from cli_helpers import run
+
 from treepack.rollouts import read_rollouts
 from treepack.shards import read_manifest, read_packs
 

@@ -3,24 +3,25 @@
 
 from __future__ import annotations
 
-import glob
+import itertools
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import treepack.packing as packing
-from oracle import areal_first_fit, brute_force_packing, set_partitions, trie_tokens
+from oracle import areal_first_fit, brute_force_packing, trie_tokens
 from strategies import rollouts_from, sequence_lists
+
+from treepack import packing
 from treepack.errors import CapacityError, TreepackError
 from treepack.packing import STRATEGIES, Packing, pack_sequences
 from treepack.rollouts import Source, read_rollouts
 from treepack.tree import PrefixTree
 
-REAL = sorted(glob.glob("/work/shared/data/rollouts/*.parquet")) or sorted(
-    str(p) for p in (Path(__file__).resolve().parents[1] / "datasets" / "samples").glob("*.parquet"))
+# the real rollouts (tau-bench, ToolBench, GSM8K, hh-rlhf) next to the repository, and the bundled tau-bench slice
+REAL = sorted((Path(__file__).resolve().parents[2] / "shared" / "data" / "rollouts").glob("*.parquet")) + sorted(
+    (Path(__file__).resolve().parents[1] / "datasets" / "samples").glob("*.parquet"))
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -129,7 +130,7 @@ def test_contiguous_cut_is_optimal_for_its_order(inp, rnd):
     n = len(perm)
     for mask in range(1 << (n - 1)):  # every set of cut points
         cuts = [0] + [k + 1 for k in range(n - 1) if mask >> k & 1] + [n]
-        costs = [trie_tokens(order_seqs[a:b]) for a, b in zip(cuts, cuts[1:])]
+        costs = [trie_tokens(order_seqs[a:b]) for a, b in itertools.pairwise(cuts)]
         if max(costs) <= capacity and (best is None or sum(costs) < best):
             best = sum(costs)
     assert int(tokens.sum()) == best

@@ -12,14 +12,22 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from oracle import ancestor_mask, trie_tokens
+from oracle import ancestor_mask
 from strategies import rollouts_from, sequence_lists
+
 from treepack.balance import balance_packs, pack_costs, split_contiguous
 from treepack.errors import InputError, TreepackError
 from treepack.packing import pack_sequences
 from treepack.rollouts import Rollouts, read_rollouts
-from treepack.shards import SCHEMA_VERSION, parse_shard_size, read_manifest, read_packs, unpack, write_rollouts, write_shards
+from treepack.shards import (
+    SCHEMA_VERSION,
+    parse_shard_size,
+    read_manifest,
+    read_packs,
+    unpack,
+    write_rollouts,
+    write_shards,
+)
 
 SLOW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 

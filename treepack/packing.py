@@ -16,31 +16,37 @@ Strategies (all on the same tree; packs never cross a ``step``, sharing never cr
 - ``first-fit``: AReaL's production packer (``_greedy_build_tries``): sequences in input order, each into
   the first pack whose trie it fits (``load + L - maxLCP(s, pack) <= C``), else a new pack. Reproduced
   exactly (tests compare pack for pack with a port of AReaL's dict trie) without its O(n x P) trie walks:
-  the packs that share more than the batch-wide header with ``s`` are those present in the subtrees of
-  ``s``'s ancestors, kept as sets per node; all the others are one vectorised ``argmax`` over pack loads.
+  the packs sharing more than the step-wide header with ``s`` are those present in the subtrees of ``s``'s
+  ancestors, kept as sets per node; the others are one vectorised ``argmax`` over the pack loads.
 - ``dfs``: Tree Training's heuristic (§3.3): children visited deepest leaf first (similar depths stay
   together), one DFS traversal, a new pack whenever the next sequence would overflow.
-- ``optimal``: Tree Training Appendix A.2's multi-path DP, made exact: per node, the Pareto set of
-  multisets of per-pack loads (a pack's tokens inside the subtree), combined child by child (each child
-  pack joins a different parent pack or opens one), pruned by dominance. Exponential: refused above
-  ``OPTIMAL_MAX_SEQUENCES`` sequences per step (see its comment for the measured times).
-- ``best`` (default): for several child orders of the trie (lexicographic, subtree size descending and
-  ascending, deepest leaf first, AReaL-DTA Algorithm 1's tail order, and the order that lists the
-  bottom-up best-fit-decreasing bins of every node one after another), the *optimal* contiguous cut of
-  that order by dynamic programming (``f[b] = min f[a-1] + lcp_a`` over feasible groups [a..b]; feasibility
-  is monotone in b, so a lazy-deletion heap makes it O(n log n)); plus the bottom-up bin packing itself
-  (non-contiguous packs: pieces of two subtrees may share two packs), first-fit, dfs, and ``optimal``
-  where a step is tiny; then merges packs pairwise where the union fits. Per step it keeps the cheapest,
-  so it is never worse than any of them, by construction.
+- ``optimal``: Tree Training Appendix A.2's multi-path DP, made exact (``treepack.multipath``); exponential,
+  so refused above ``OPTIMAL_MAX_SEQUENCES`` sequences per step or ``OPTIMAL_BUDGET`` assignments.
+- ``best`` (default), per step the cheapest of:
+  1. the *optimal contiguous cut* of several DFS leaf orders (lexicographic, subtree size descending,
+     deepest leaf first, AReaL-DTA Algorithm 1's order, and the order of the bottom-up bins below):
+     ``f[b] = min f[a-1] + lcp_a`` over feasible groups [a..b]; feasibility is monotone in b, so a
+     lazy-deletion heap makes it O(n log n);
+  2. the *bottom-up* bin packing: leaves to roots, each node packs its children's bins by best-fit
+     decreasing within ``C - depth - len`` (packs need not be contiguous in any order: pieces of two
+     subtrees may share two packs). It wins on most inputs;
+  3. first-fit and dfs (so ``best`` never loses to either);
+  then, on steps of up to ``BEAM_MAX_SEQUENCES`` sequences, the multi-path DP with a beam of ``BEAM``
+  states per node (it keeps, e.g., a subtree split in two packs when that lets both halves fit beside
+  other subtrees), and on steps of up to ``OPTIMAL_MAX_SEQUENCES``, the exact DP within
+  ``BEST_EXACT_BUDGET`` assignments (so ``best`` equals ``optimal`` wherever that is cheap).
+  Each refinement only replaces a step's packs when it is strictly cheaper: ``best`` is never worse
+  than any candidate, by construction.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -70,7 +76,7 @@ class Packing:
     packs: list[np.ndarray]  # each: int64 input-sequence indices (into the Rollouts) of one pack, in DFS order
     pack_tokens: np.ndarray  # int64 [n_packs] tokens of each pack's union sub-trie (scopes kept apart)
     n_flat_tokens: int  # tokens of the packed sequences (what dense training computes)
-    seconds: float  # wall time of the packing (tree build excluded when a tree was given)
+    seconds: float  # wall time of pack_sequences (a tree build included unless a tree was given)
     n_oversize_skipped: int = 0  # sequences longer than the capacity, dropped with oversize="skip"
     n_tree_tokens: int = 0  # tokens of the whole trie of the packed sequences (N_tree: the lower bound)
     pack_steps: np.ndarray | None = None  # int64 [n_packs] the step of each pack's sequences (None: no steps)
@@ -148,9 +154,9 @@ def pack_sequences(
         tree = None
     scope, _ = scope_codes(rollouts, group_by)
     batch_in = np.zeros(len(rollouts), np.int64) if rollouts.steps is None else rollouts.steps
-    if tree is None or tree.n_sequences != len(rollouts) or not _batches_contiguous(batch_in[tree.order]):
+    if (tree is None or tree.n_sequences != len(rollouts) or not _batches_contiguous(batch_in[tree.order])
+            or not np.array_equal(tree.scope, np.zeros(len(rollouts), np.int64) if scope is None else scope[tree.order])):
         tree = PrefixTree.from_arrays(rollouts.tokens, rollouts.offsets, scope)
-        t0 = time.perf_counter() if keep is None else t0
     forest = _Forest(tree, batch_in[tree.order], capacity)
     if forest.n == 0:
         labels, details = np.zeros(0, np.int64), {}
@@ -196,7 +202,7 @@ class _SparseTable:
     """Range minimum (or maximum) of a fixed int array in O(1) per query, vectorised over queries."""
 
     def __init__(self, a: np.ndarray, op: Callable = np.minimum):
-        a = np.asarray(a, dtype=np.int64)
+        a = np.asarray(a, dtype=np.int32)  # lengths and LCPs fit; halves the n log n table
         self.op = op
         self.levels = [a]
         k = 1
@@ -231,9 +237,10 @@ class _Forest:
         self.n = tree.n_sequences
         self.L = tree.lengths
         self.lcp = tree.lcp
-        _, self.batch = np.unique(batch, return_inverse=True) if self.n else (None, np.zeros(0, np.int64))
-        self.batch = self.batch.reshape(-1).astype(np.int64)
-        self.batch_bounds = np.flatnonzero(np.r_[True, self.batch[1:] != self.batch[:-1], True]) if self.n else np.zeros(1, np.int64)
+        codes = np.unique(batch, return_inverse=True)[1] if self.n else np.zeros(0, np.int64)
+        self.batch = codes.reshape(-1).astype(np.int64)  # step code of each rank, non-decreasing
+        self.batch_bounds = (np.flatnonzero(np.r_[True, self.batch[1:] != self.batch[:-1], True]) if self.n
+                             else np.zeros(1, np.int64))  # ranks [bounds[b], bounds[b+1]) are step b
         self._rmq: _SparseTable | None = None
 
     # ---------------------------------------------------------------- LCP and costs
@@ -269,7 +276,7 @@ class _Forest:
         """(ranks of each pack in DFS order, its union-trie tokens, its attention pairs); checks the capacity.
 
         A member's new tokens are those below its LCP with the previous member (by rank); a token at depth
-        d is attended by d + 1 queries' worth of pairs, so a member adds (L(L+1) - lcp(lcp+1)) / 2 pairs.
+        d attends to its d + 1 ancestors-or-self, so a member adds (L(L+1) - lcp(lcp+1)) / 2 pairs.
         """
         if self.n == 0:
             return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -462,8 +469,7 @@ def first_fit_labels(f: _Forest, input_order: np.ndarray | None = None) -> np.nd
                 break
             else:
                 s.add(best)
-                if new_load < floor[v]:
-                    floor[v] = new_load
+                floor[v] = min(floor[v], new_load)
     return _globalize(f, local, n_packs)
 
 
@@ -532,7 +538,7 @@ def contiguous_cut(f: _Forest, perm: np.ndarray) -> np.ndarray:
     push, pop = heapq.heappush, heapq.heappop
     batch_of = f.batch[perm]
     bounds = np.flatnonzero(np.r_[True, batch_of[1:] != batch_of[:-1], True]).tolist() if n else [0]
-    for lo, hi in zip(bounds[:-1], bounds[1:]):  # packs never cross a batch
+    for lo, hi in itertools.pairwise(bounds):  # packs never cross a batch
         heap: list[int] = []
         cost_prev = 0  # best cost of the sequences before k
         for k in range(lo, hi):
@@ -677,7 +683,7 @@ def step_views(f: _Forest) -> list[TreeView]:
     en = f.end_node
     starts = np.flatnonzero(np.r_[True, en[1:] != en[:-1]]) if f.n else np.zeros(0, np.int64)
     bounds = np.r_[starts, f.n]
-    ends = {int(en[a]): tuple(range(int(a), int(e))) for a, e in zip(bounds[:-1], bounds[1:])}
+    ends = {int(en[a]): tuple(range(int(a), int(e))) for a, e in itertools.pairwise(bounds)}
     nb = f.node_batch()
     w, depth, size_l = t.node_len.tolist(), t.node_depth.tolist(), size.tolist()
     views = []
@@ -703,7 +709,7 @@ def optimal_labels(f: _Forest, max_sequences: int = OPTIMAL_MAX_SEQUENCES) -> np
     views = step_views(f)
     for b, view in enumerate(views):
         try:
-            labels = _replace_batch(f, labels, b, upper[b], view, budget=OPTIMAL_BUDGET)
+            labels, _ = _replace_batch(f, labels, b, int(upper[b]), view, budget=OPTIMAL_BUDGET)
         except BudgetExceeded:
             raise TreepackError(
                 f"strategy 'optimal': the exact DP tried more than {OPTIMAL_BUDGET:,} assignments on a step of "
@@ -713,18 +719,22 @@ def optimal_labels(f: _Forest, max_sequences: int = OPTIMAL_MAX_SEQUENCES) -> np
 
 
 def _replace_batch(f: _Forest, labels: np.ndarray, b: int, upper: int, view: TreeView, *,
-                   beam: int | None = None, budget: int | None = None) -> np.ndarray:
-    """``labels`` with batch b's packs replaced by the DP's when it finds one at most ``upper`` tokens."""
+                   beam: int | None = None, budget: int | None = None) -> tuple[np.ndarray, int]:
+    """(labels, N_pack of step b): step b's packs replaced by the DP's when they cost less than ``upper``
+    (the current N_pack of the step), or as much in fewer packs."""
     lo, hi = int(f.batch_bounds[b]), int(f.batch_bounds[b + 1])
     n_tree = int(f.t.seg_start[hi] - f.t.seg_start[lo])
     found = solve(view, f.C, upper - n_tree, beam=beam, budget=budget)
-    if found is None or n_tree + found[0] > upper:
-        return labels
+    if found is None:
+        return labels, upper
+    cost = n_tree + found[0]
+    if cost > upper or cost == upper and len(found[1]) >= len(np.unique(labels[lo:hi])):
+        return labels, upper
     labels = labels.copy()
     fresh = int(labels.max()) + 1
     for p, members in enumerate(found[1]):
         labels[members] = fresh + p
-    return labels
+    return labels, cost
 
 
 # --------------------------------------------------------------------------------------------------
@@ -773,8 +783,12 @@ def _per_batch(f: _Forest, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return f.cost(labels), packs
 
 
-def best_labels(f: _Forest, exact_budget: int = BEST_EXACT_BUDGET) -> tuple[np.ndarray, dict]:
-    """The cheapest, per step, of every candidate (see the module docstring); never worse than any of them."""
+def best_labels(f: _Forest, exact_budget: int | None = None) -> tuple[np.ndarray, dict]:
+    """The cheapest, per step, of every candidate (see the module docstring); never worse than any of them.
+
+    ``exact_budget``: assignments the exact DP may try per small step (default ``BEST_EXACT_BUDGET``; 0: none).
+    """
+    exact_budget = BEST_EXACT_BUDGET if exact_budget is None else exact_budget
     cands: dict[str, np.ndarray] = {}
     for name, perm in candidate_orders(f).items():
         cands[f"cut/{name}"] = contiguous_cut(f, perm)
@@ -801,16 +815,17 @@ def best_labels(f: _Forest, exact_budget: int = BEST_EXACT_BUDGET) -> tuple[np.n
     if len(refine):
         views = step_views(f)
         for b in refine.tolist():
+            cost = int(upper[b])
             if sizes[b] <= BEAM_MAX_SEQUENCES:
-                labels = _replace_batch(f, labels, b, int(upper[b]), views[b], beam=BEAM)
+                labels, cost = _replace_batch(f, labels, b, cost, views[b], beam=BEAM)
             if exact_budget and sizes[b] <= OPTIMAL_MAX_SEQUENCES:
                 try:
-                    labels = _replace_batch(f, labels, b, int(_per_batch(f, labels)[0][b]), views[b],
-                                            budget=exact_budget)
+                    labels, cost = _replace_batch(f, labels, b, cost, views[b], budget=exact_budget)
                 except BudgetExceeded:
                     pass
+            upper[b] = cost
         labels = _renumber(f, f.batch * (f.n + 1) + labels)
-        details["beam"] = int(_per_batch(f, labels)[0].sum())
+    details["n_pack_tokens"] = int(upper.sum())
     return labels, details
 
 

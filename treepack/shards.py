@@ -14,7 +14,9 @@ Row schema (T = tokens of the pack incl. padding, S = its sequences; list column
 - scalars: ``pack_index`` int64, ``n_real`` int32 (tokens [n_real, T) are padding), ``step`` int64 (when
   the input has steps: a pack never crosses one), ``rank`` int32 (with ``balance``).
 A sequence's tokens are ``input_ids`` along its path, so nothing per sequence repeats the shared tokens:
-on the real tau-bench file (C = 11) the per-sequence columns are ~1% of a shard.
+the real tau-bench file (6.66M flat tokens, C = 11) packs at 16k into 0.77 MB of zstd Parquet (1.3 bytes
+per pack token), of which the per-sequence columns are 2.7% and ``input_ids``/``parent``/``position_ids``
+94%.
 
 Shards are cut by size (``256M``: uncompressed bytes of the rows, so files come out smaller) or by count
 (``1000packs``). ``read_packs`` rebuilds each sequence's path in O(its length) from the DFS layout (its
@@ -28,8 +30,8 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -299,7 +301,7 @@ def write_shards(
         "group_by": group_by or "none",
         "sources": [{"path": s.path, "sha256": s.sha256, "format": s.format, "n_records": s.n_records,
                      "n_skipped": s.n_skipped} for s in rollouts.sources],
-        "counts": {"records": len(rollouts), "packed_sequences": int(len(packed)), "packs": packing.n_packs,
+        "counts": {"records": len(rollouts), "packed_sequences": len(packed), "packs": packing.n_packs,
                    "skipped": rollouts.n_skipped, "skipped_reasons": dict(rollouts.skipped),
                    "oversize_skipped": packing.n_oversize_skipped, "shards": len(writer.files)},
         "oversize_skipped": [{"record": int(i), "id": rollouts.ids[int(i)], "tokens": int(rollouts.lengths[int(i)])}
@@ -410,11 +412,17 @@ def read_packs(path: str | Path) -> Iterator[Pack]:
                 if pa.types.is_list(table.schema.field(name).type)}
         scalars = {name: table.column(name).to_pylist() for name in table.column_names if name not in cols}
         for r in range(table.num_rows):
-            def get(name):
-                v, o = cols[name]
-                return v[o[r] : o[r + 1]]
+            yield _pack_from_row(_row_getter(cols, r), {k: v[r] for k, v in scalars.items()}, set(cols), enc)
 
-            yield _pack_from_row(get, {k: v[r] for k, v in scalars.items()}, set(cols), enc)
+
+def _row_getter(cols: dict, r: int) -> Callable:
+    """``get(name)``: row r's slice of a list column."""
+
+    def get(name: str) -> np.ndarray:
+        v, o = cols[name]
+        return v[o[r] : o[r + 1]]
+
+    return get
 
 
 def _pack_from_row(get: Callable, scalars: dict, names: set, enc: dict) -> Pack:
@@ -537,13 +545,14 @@ def write_rollouts(r: Rollouts, path: str) -> None:
                                     "hold; write .jsonl instead")
         pq.write_table(to_arrow(r), path, compression="zstd")
         return
+    import contextlib
     import gzip
     import sys
 
-    fh = sys.stdout if path == "-" else (gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w"))
-    try:
+    with contextlib.ExitStack() as stack:
+        if path == "-":
+            fh = sys.stdout
+        else:
+            fh = stack.enter_context(gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w"))
         for rec in iter_records(r):
             fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
-    finally:
-        if fh is not sys.stdout:
-            fh.close()
