@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	$(TP) stats $(SAMPLE)
-	$(TP) stats $(SAMPLE) --group-by tree_id --min-por 0.3
+	$(TP) stats $(SAMPLE) --group-by tree_id --capacity 32K --min-por 0.3 --min-err 0.3
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider

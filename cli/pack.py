@@ -17,7 +17,7 @@ from treepack.balance import BALANCE_COSTS
 from treepack.errors import InputError, TreepackError
 from treepack.packing import OVERSIZE, STRATEGIES, Packing, describe_sequence, pack_sequences
 from treepack.rollouts import Rollouts
-from treepack.shards import DEFAULT_SHARD_SIZE, parse_shard_size, write_shards
+from treepack.shards import DEFAULT_SHARD_SIZE, check_output_dir, parse_shard_size, write_shards
 from treepack.sizes import parse_size
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES, compute_stats
 from treepack.tree import SCOPES, PrefixTree
@@ -93,8 +93,7 @@ def pack(
     if pack_cap <= 0:
         raise typer.BadParameter(f"--pad-to {pad_to} is larger than the capacity {cap:,}", param_hint="--pad-to")
     out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{output}: exists and is not a directory")
+    check_output_dir(out)  # before the work, not after it
 
     t0 = time.perf_counter()
     rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet)
@@ -116,8 +115,8 @@ def pack(
                 "--model": DEFAULT_MODEL, "--oversize": "error", "--group-by": "none", "--on-error": "raise"}
     command = " ".join(["treepack pack", *map(_quote, files)] + [
         f"{k} {_quote(str(v))}" for k, v in options.items() if v is not None and defaults.get(k) != v])
-    kwargs = {"pad_to": pad_to, "shard_size": shard_size, "balance": balance, "balance_cost": balance_cost, "model": model,
-                  "group_by": group_by, "stats": st, "command": command}
+    kwargs = {"pad_to": pad_to, "shard_size": shard_size, "balance": balance, "balance_cost": balance_cost,
+              "model": model, "group_by": group_by, "stats": st, "command": command}
     if quiet or p.n_packs < PROGRESS_MIN_PACKS:
         manifest = write_shards(rollouts, p, out, **kwargs)
     else:

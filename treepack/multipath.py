@@ -18,13 +18,21 @@ other can too, no dearer), and branch and bound against a known solution: a stat
 + a lower bound on everything else exceeds the known N_pack - N_tree. The lower bound is, per node not yet
 covered, ``w(v) (ceil(size(v) / (C - depth(v))) - 1)`` (a pack holds at most C - depth(v) tokens below v),
 or the best extra already found for a finished subtree. Exponential in the worst case: ``budget`` bounds
-the assignments tried.
+the assignments tried, and a node with more than ``MAX_STATES`` candidates gives up. Measured (2 cores):
+random tries of 20 sequences solve in <= 0.03 s with these bounds (3 s without the per-node bound); real
+deep agentic trees of 12 sequences in <= 0.8 s given the beam's solution as the bound (1 of 30 exceeds the
+2M budget), while stars of 12 long same-length leaves (pure bin packing) often exhaust it (~5 s).
 
 Beam (``beam=B``): the same recursion, but each child's bins are assigned greedily (best fit, worst fit,
 or all new), and each node keeps at most B states: the cheapest state for each number of bins (the
 flexibility the greedy bottom-up lacks: keeping a subtree in two small packs so that each fits beside
 another subtree higher up), then the cheapest overall. B = 1 with best fit is the bottom-up best-fit
-decreasing of ``treepack.packing``.
+decreasing of ``treepack.packing``. Nodes with more than ``WIDE_KIDS`` children or ``WIDE_BINS`` child
+bins (the top of big trees, where items are many and best-fit decreasing already packs tightly) take
+best-fit decreasing of their children's cheapest states, which keeps the beam at ~0.35 ms a sequence
+(3 s for 9k sequences / 67M tokens of agentic-think). On random 12-sequence tries it brings ``best``
+from a mean 0.025% (worst 1.6%) above the optimum to 0.007% (worst 1.0%); on real-shaped deep trees of
+12 sequences from up to 7.8% to 0%.
 """
 
 from __future__ import annotations
@@ -34,7 +42,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-INF = float("inf")
 MAX_STATES = 10_000  # the exact DP gives up (BudgetExceeded) when a node has more Pareto candidates
 WIDE_BINS = 32  # beam: a node whose children bring more bins than this (or more than WIDE_KIDS children)
 WIDE_KIDS = 16  # ... is packed by best-fit decreasing of its children's cheapest states

@@ -53,6 +53,7 @@ MANIFEST = "manifest.json"
 DEFAULT_SHARD_SIZE = "256M"
 _SHARD_NAME = "shard-{:05d}.parquet"
 _PACKS_RE = re.compile(r"^\s*(\d+)\s*packs?\s*$")
+MAX_LISTED_SKIPPED = 1000  # the manifest names at most this many oversize sequences (counts has them all)
 
 
 def parse_shard_size(text: str | int) -> tuple[str, int]:
@@ -225,6 +226,14 @@ def _row(pack: Pack, pack_index: int, step, rank, enc: dict, fields: dict) -> di
     return row
 
 
+def check_output_dir(out: Path) -> None:
+    """Refuse an output path that is a file or already holds packed shards (never mix two packings)."""
+    if out.exists() and not out.is_dir():
+        raise TreepackError(f"{out}: exists and is not a directory")
+    if out.is_dir() and ((out / MANIFEST).exists() or any(out.glob("shard-*.parquet"))):
+        raise TreepackError(f"{out}: already holds packed shards; remove them or choose another output directory")
+
+
 def write_shards(
     rollouts: Rollouts,
     packing: Packing,
@@ -247,10 +256,7 @@ def write_shards(
     one the packing used. ``progress`` is called with 1 after each pack.
     """
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise TreepackError(f"{out}: exists and is not a directory")
-    if out.is_dir() and ((out / MANIFEST).exists() or any(out.glob("shard-*.parquet"))):
-        raise TreepackError(f"{out}: already holds packed shards; remove them or choose another output directory")
+    check_output_dir(out)
     if pad_to is not None and pad_to <= 0:
         raise TreepackError(f"pad_to must be positive, got {pad_to}")
     limit = parse_shard_size(shard_size)
@@ -305,7 +311,7 @@ def write_shards(
                    "skipped": rollouts.n_skipped, "skipped_reasons": dict(rollouts.skipped),
                    "oversize_skipped": packing.n_oversize_skipped, "shards": len(writer.files)},
         "oversize_skipped": [{"record": int(i), "id": rollouts.ids[int(i)], "tokens": int(rollouts.lengths[int(i)])}
-                             for i in packing.oversize_skipped.tolist()],
+                             for i in packing.oversize_skipped[:MAX_LISTED_SKIPPED].tolist()],
         "fields": fields,
         "id_encoding": enc,
         "stats": st,

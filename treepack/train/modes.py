@@ -21,6 +21,7 @@ whose log-prob is needed, D hidden size.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,7 +58,7 @@ def _row_dtype(model: Decoder) -> torch.dtype:
     return torch.float64 if model.dtype == torch.float64 else torch.float32
 
 
-class Mode:
+class Mode(ABC):
     """Base: turns (model, pack, rows) into a `ModeResult`; subclasses pick where hidden states come from."""
 
     name = "mode"
@@ -66,9 +67,10 @@ class Mode:
         self.attention = attention
         self.chunk_rows = chunk_rows
 
+    @abstractmethod
     def __call__(self, model: Decoder, pack: Pack, rows: LossRows, objective: Objective,
                  totals: BatchTotals) -> ModeResult:
-        raise NotImplementedError
+        """One pack's loss (and, for dfs, its gradients) under this mode."""
 
     def _finish(self, objective: Objective, logp_R: Tensor, tensors: dict, loss: Tensor | None,
                 forward_tokens: int) -> ModeResult:
