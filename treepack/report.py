@@ -105,26 +105,8 @@ def compare_strategies(
 
 
 def stats_rows(st: TreeStats) -> list[tuple[str, str, str]]:
-    """(metric, value, meaning) rows of ``treepack stats``."""
-    return [
-        ("sequences", f"{st.n_sequences:,}", "records read" + (f" ({st.n_skipped:,} skipped)" if st.n_skipped else "")),
-        ("N_flat", f"{st.n_flat_tokens:,}", "tokens a dense trainer computes"),
-        ("N_tree", f"{st.n_tree_tokens:,}", "tokens in the prefix trie"),
-        ("C", f"{st.compression:.3f}", "N_flat / N_tree"),
-        ("POR", f"{st.por:.4f}", "1 - N_tree / N_flat"),
-        ("C_leaf", f"{st.c_leaf:.3f}", "leaf sequences' tokens / N_tree"),
-        ("C_attn", f"{st.c_attn:.3f}", "attention pairs dense / tree"),
-        ("ideal speedup", f"{st.ideal_speedup:.2f}x", "1 / (1 - POR)"),
-        ("FLOP-model speedup", f"{st.flop_speedup:.2f}x", f"fwd+bwd FLOPs dense / tree, {st.model}"),
-        ("nodes", f"{st.n_nodes:,}", "compressed trie nodes"),
-        ("leaves", f"{st.n_leaves:,}", "distinct sequences not a prefix of another"),
-        ("trees", f"{st.n_trees:,}", f"roots, in {st.n_scopes:,} scope(s)"),
-        ("duplicates", f"{st.n_duplicates:,}", "sequences equal to an earlier one"),
-        ("prefix-of-another", f"{st.n_prefix_of_another:,}", "distinct sequences extended by another"),
-        ("max depth", f"{st.max_depth:,}", "longest path (tokens)"),
-        ("mean leaf depth", f"{st.mean_depth:,.1f}", "mean leaf path length (tokens)"),
-        ("mean length", f"{st.mean_seq_len:,.1f}", "mean sequence length (tokens)"),
-    ]
+    """(metric, value, meaning) rows of ``treepack stats`` (the report compares packing separately)."""
+    return st.rows(packing=False)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], cols: str, *,

@@ -110,6 +110,38 @@ class TreeStats:
     err: float | None = None
     err_speedup: float | None = None
 
+    def rows(self, *, packing: bool = True) -> list[tuple[str, str, str]]:
+        """(metric, value, meaning) rows shown by ``treepack stats`` and the HTML report."""
+        rows = [
+            ("sequences", f"{self.n_sequences:,}", "records read" + (f" ({self.n_skipped:,} skipped)" if self.n_skipped else "")),
+            ("N_flat", f"{self.n_flat_tokens:,}", "tokens a dense trainer computes"),
+            ("N_tree", f"{self.n_tree_tokens:,}", "tokens in the prefix trie"),
+            ("C", f"{self.compression:.3f}", "N_flat / N_tree"),
+            ("POR", f"{self.por:.4f}", "1 - N_tree / N_flat"),
+            ("C_leaf", f"{self.c_leaf:.3f}", "leaf sequences' tokens / N_tree"),
+            ("C_attn", f"{self.c_attn:.3f}", "attention pairs dense / tree"),
+            ("ideal speedup", f"{self.ideal_speedup:.2f}x", "1 / (1 - POR)"),
+            ("FLOP-model speedup", f"{self.flop_speedup:.2f}x", f"fwd+bwd FLOPs dense / tree, {self.model}"),
+        ]
+        if packing and self.capacity is not None:
+            rows += [
+                ("capacity", f"{self.capacity:,}", f"tokens per pack, strategy {self.strategy}"),
+                ("packs", f"{self.n_packs:,}", "packs needed"),
+                ("N_pack", f"{self.n_pack_tokens:,}", "tokens over all packs"),
+                ("ERR", f"{self.err:.4f}", "1 - N_pack / N_flat"),
+                ("ERR speedup", f"{self.err_speedup:.2f}x", "1 / (1 - ERR)"),
+            ]
+        return rows + [
+            ("nodes", f"{self.n_nodes:,}", "compressed trie nodes"),
+            ("leaves", f"{self.n_leaves:,}", "distinct sequences not a prefix of another"),
+            ("trees", f"{self.n_trees:,}", f"roots, in {self.n_scopes:,} scope(s)"),
+            ("duplicates", f"{self.n_duplicates:,}", "sequences equal to an earlier one"),
+            ("prefix-of-another", f"{self.n_prefix_of_another:,}", "distinct sequences extended by another"),
+            ("max depth", f"{self.max_depth:,}", "longest path (tokens)"),
+            ("mean leaf depth", f"{self.mean_depth:,.1f}", "mean leaf path length (tokens)"),
+            ("mean length", f"{self.mean_seq_len:,.1f}", "mean sequence length (tokens)"),
+        ]
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["branching"] = {str(k): v for k, v in self.branching.items()}
