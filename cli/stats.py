@@ -22,18 +22,20 @@ from treepack.tree import PrefixTree
 PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar when the inputs are at least this big
 
 
-def load_with_progress(files: list[str], *, tokens_field: str | None, on_error: str, quiet: bool) -> Rollouts:
+def load_with_progress(files: list[str], *, tokens_field: str | None, on_error: str, quiet: bool,
+                       keep_token_fields: bool = True) -> Rollouts:
     """Read rollouts, with a progress bar on stderr for big inputs (unless ``quiet``)."""
     paths = expand_paths(files)
     sizes = [os.path.getsize(p) if p != "-" else 0 for p in paths]
     if quiet or sum(sizes) < PROGRESS_MIN_BYTES:
-        return read_rollouts(paths, tokens_field=tokens_field, on_error=on_error)
+        return read_rollouts(paths, tokens_field=tokens_field, on_error=on_error, keep_token_fields=keep_token_fields)
     with Progress(
         TextColumn("reading"), BarColumn(), DownloadColumn(), TimeRemainingColumn(), console=err_console, transient=True
     ) as bar:
         task = bar.add_task("read", total=sum(sizes))
         return read_rollouts(
-            paths, tokens_field=tokens_field, on_error=on_error, progress=lambda n: bar.advance(task, n)
+            paths, tokens_field=tokens_field, on_error=on_error, progress=lambda n: bar.advance(task, n),
+            keep_token_fields=keep_token_fields,
         )
 
 
@@ -130,7 +132,9 @@ def stats(
     for flag, value in (("--min-err", min_err), ("--compare-strategies", compare_strategies or None)):
         if value is not None and cap is None:
             raise typer.BadParameter("needs --capacity", param_hint=flag)
-    rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet)
+    # stats (and its packing and figures) read only tokens: masks and log-probs are validated, not kept
+    rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,
+                                  keep_token_fields=False)
     if len(rollouts) == 0:
         reasons = ", ".join(f"{v} {k}" for k, v in rollouts.skipped.most_common())
         raise InputError("no sequences to analyse" + (f": {rollouts.n_skipped} bad record(s) skipped ({reasons})" if reasons else ""))

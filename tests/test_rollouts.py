@@ -128,3 +128,18 @@ def test_select_keeps_fields(tmp_path):
     r = read_rollouts(write_jsonl(tmp_path / "r.jsonl", GOOD))
     s = r.select(np.array([2, 0]))
     assert s.ids == ["c", "a"] and s.tokens.tolist() == [5, 1, 2, 3] and s.loss_mask.tolist() == [1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_token_fields_validated_but_not_kept(tmp_path, fmt):
+    r = read_rollouts(write_jsonl(tmp_path / "r.jsonl", GOOD))
+    path = tmp_path / "r.jsonl"
+    if fmt == "parquet":
+        path = tmp_path / "r.parquet"
+        pq.write_table(to_arrow(r), path)
+    lean = read_rollouts(path, keep_token_fields=False)
+    assert lean.loss_mask is None and lean.logprobs is None
+    assert lean.tokens.tolist() == r.tokens.tolist() and lean.ids == r.ids
+    bad = write_jsonl(tmp_path / "bad.jsonl", GOOD[:1], raw_lines=['{"input_ids": [1, 2], "loss_mask": [1]}'])
+    with pytest.raises(InputError, match="line 2: field 'loss_mask' has length 1"):
+        read_rollouts(bad, keep_token_fields=False)

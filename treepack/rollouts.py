@@ -144,7 +144,8 @@ def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 class _Builder:
     """Accumulates validated chunks from any number of files, then concatenates once."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_token_fields: bool = True) -> None:
+        self.keep_token_fields = keep_token_fields  # False: loss masks / log-probs are validated, not kept
         self._flat: np.ndarray | None = None  # preallocated token buffer (Parquet: size known up front)
         self._flat_mask: np.ndarray | None = None
         self._flat_used = 0
@@ -164,15 +165,18 @@ class _Builder:
         """Preallocate room for ``n_tokens`` more tokens, so that building never holds two copies."""
         if self._flat is None and not self.tokens:
             self._flat = np.empty(n_tokens, dtype=np.int32)
-            self._flat_mask = np.empty(n_tokens, dtype=np.uint8)
+            self._flat_mask = np.empty(n_tokens, dtype=np.uint8) if self.keep_token_fields else None
 
     def add_chunk(self, *, tokens, lengths, loss_mask, logprobs, ids, groups, steps, advantages, rewards):
         n = len(lengths)
+        if not self.keep_token_fields:
+            loss_mask = logprobs = None
         tokens = np.asarray(tokens, dtype=np.int32)
         a, b = self._flat_used, self._flat_used + len(tokens)
         if self._flat is not None and b <= len(self._flat):
             self._flat[a:b] = tokens
-            self._flat_mask[a:b] = 1 if loss_mask is None else loss_mask
+            if self._flat_mask is not None:
+                self._flat_mask[a:b] = 1 if loss_mask is None else loss_mask
             self._flat_used = b
             tokens = self._flat[a:b]
             loss_mask = None if loss_mask is None else self._flat_mask[a:b]
@@ -742,19 +746,22 @@ def read_rollouts(
     tokens_field: str | None = None,
     on_error: str = "raise",
     progress: Progress | None = None,
+    keep_token_fields: bool = True,
 ) -> Rollouts:
     """Read rollout files into one ``Rollouts`` batch.
 
     ``on_error``: ``"raise"`` (default) raises ``InputError`` naming file, line/row and field at the first bad
     record; ``"skip"`` drops bad records and counts them per reason in ``Rollouts.skipped``.
     ``progress`` is called with the input bytes consumed as reading advances (Parquet: pro rata by rows).
+    ``keep_token_fields=False`` still validates ``loss_mask``/``logprobs`` but drops them (``stats`` needs only
+    tokens: this saves 1-9 bytes a token of peak memory).
     """
     if on_error not in ("raise", "skip"):
         raise InputError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files = expand_paths(str(p) for p in paths)
-    builder = _Builder()
+    builder = _Builder(keep_token_fields)
     sources: list[Source] = []
     skipped: Counter = Counter()
     examples: list[str] = []
