@@ -568,8 +568,9 @@ class _Traversal:
         row_dtype = _row_dtype(model)
         self.weight_U = None if not fast else torch.as_tensor(self.targets.weight_U, dtype=row_dtype, device=dev)
         self.tensors = {} if fast else objective.row_tensors(rows, totals, device=dev, dtype=row_dtype)
-        self.ids_T = torch.as_tensor(np.asarray(pack.input_ids), dtype=torch.long, device=dev)
-        self.pos_T = torch.as_tensor(np.asarray(pack.position_ids), dtype=torch.long, device=dev)
+        # int64 copies: shard readers hand out read-only Arrow-backed arrays, which torch must not alias
+        self.ids_T = torch.as_tensor(np.array(pack.input_ids, dtype=np.int64), device=dev)
+        self.pos_T = torch.as_tensor(np.array(pack.position_ids, dtype=np.int64), device=dev)
         self.logp_U = torch.zeros(self.targets.token_U.shape[0], dtype=row_dtype, device=dev)
         self.loss = torch.zeros((), dtype=torch.float64, device=dev)
         self.index = self._upload_indices()
