@@ -216,6 +216,7 @@ def run_gpu(args) -> None:
     model = Decoder.random_init(margs, seed=args.seed, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
                                 device=dev)
     init_s = time.perf_counter() - t0
+    model.compile = args.compile
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     objective = Objective(kind="grpo")
     per_token = kv_bytes_per_token(margs)
@@ -270,7 +271,7 @@ def run_gpu(args) -> None:
             for block, keep in variants:
                 label = mode_name if mode_name != "dfs" else f"dfs B={block or 'inf'}" + (f" keep={keep}" if keep else "")
                 mode = make_mode(mode_name.removesuffix("-leaf"), attention=None if mode_name.startswith("dense") else args.attention,
-                                 dfs_block_size=block, dfs_keep_tokens=keep)
+                                 dfs_block_size=block, dfs_keep_tokens=keep, chunk_rows=args.logits_chunk)
                 results[label] = measure(model, groups[mode_name], mode, objective, args.repeats)
                 results[label]["packs"] = len(groups[mode_name])
                 print(label, {k: v for k, v in results[label].items() if k != "work"}, flush=True)
@@ -323,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--model", default="qwen3-0.6b", choices=("qwen3-0.6b", "tiny"))
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (with --model tiny)")
+    ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                    help="torch.compile the elementwise regions (train.compile; auto = on CUDA)")
+    ap.add_argument("--logits-chunk", type=int, default=4096, help="rows of full-vocabulary logits at a time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plan-only", action="store_true", help="print the dfs accounting (CPU, no model)")

@@ -469,9 +469,9 @@ def path_check(trainer: Trainer, pack: Pack) -> dict:
 
     apply = losses._TargetLogProb.apply
 
-    def logprob_apply(hidden, weight, target, chunk):
+    def logprob_apply(hidden, weight, target, chunk, compiled):
         chunks.append((int(hidden.shape[0]), int(chunk)))
-        return apply(hidden, weight, target, chunk)
+        return apply(hidden, weight, target, chunk, compiled)
 
     patches = [mock.patch.object(treepack.kernels, "prepare", counted("prepare", treepack.kernels.prepare)),
                mock.patch.object(api, "tree_attention_reference",
@@ -711,6 +711,7 @@ class Bench:
                 torch.cuda.empty_cache()
             t0 = time.perf_counter()
             model = init_model(model_args(job.model, key[1]), self.device, self.args.seed)
+            model.compile = self.args.compile
             self.trainer, self.trainer_key = Trainer(model, self.autocast_dtype), key
             self.log(f"{job.model}: initialised on {self.device} in {time.perf_counter() - t0:.1f} s")
         return self.trainer
@@ -833,6 +834,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="profile one step over the first pack of each model's first tree/triton run: "
                          "GPU time by kernel group")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (tiny model)")
+    ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                    help="torch.compile the elementwise regions (train.compile; auto = on CUDA)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="markdown report (rewritten after each job)")
     ap.add_argument("--json-out", type=Path, default=None, help="raw results (JSON), rewritten per job")

@@ -31,6 +31,7 @@ ATTENTION = ("auto", "reference", "flex", "triton", "sdpa")
 DTYPES = ("auto", "float32", "bfloat16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("constant", "cosine")
+COMPILE_MODES = ("auto", "on", "off")
 
 
 def _positive(key: str, value, *, zero_ok: bool = False) -> None:
@@ -131,6 +132,7 @@ class TrainConfig:
     seed: int = 0  # model init and pack order
     logits_chunk: int = 4096  # rows of full-vocabulary logits alive at a time in the loss
     activation_checkpointing: bool = False  # recompute each layer in backward (less memory, ~1.3x compute)
+    compile: str = "auto"  # torch.compile the elementwise regions: auto (on CUDA, not float64) | on | off
     dfs_block_size: int = 2048  # dfs: most tokens forwarded with grad in one call (0 = unlimited)
     dfs_keep_tokens: int = 0  # dfs: shared segments kept with their graph instead of re-forwarded (tokens; 0 = off)
     dfs_order: str = "backward"  # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout (the pack's)
@@ -158,6 +160,7 @@ class TrainConfig:
         _positive("train.grad_clip", self.grad_clip, zero_ok=True)
         _one_of("train.dtype", self.dtype, DTYPES)
         _one_of("train.device", self.device, DEVICES)
+        _one_of("train.compile", self.compile, COMPILE_MODES)
         _positive("train.logits_chunk", self.logits_chunk)
 
 
@@ -334,6 +337,7 @@ device = "auto"             # auto | cpu | cuda
 seed = 0
 logits_chunk = 4096         # rows of full-vocabulary logits alive at a time
 activation_checkpointing = false
+compile = "auto"            # torch.compile norms/RoPE/SwiGLU/loss softmax: auto (on CUDA) | on | off
 dfs_block_size = 2048       # dfs: most tokens forwarded with grad at once (0 = unlimited)
 dfs_keep_tokens = 0         # dfs: shared segments kept with their graph instead of re-forwarded (0 = off)
 dfs_order = "backward"      # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout

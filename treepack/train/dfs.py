@@ -689,7 +689,7 @@ class _Traversal:
             return None
         u_X, index = self.index["u", k], self.index
         logp_X = target_logprobs(hidden_CD[index["local", k]], self.model.head_weight, self.ids_T[index["target", k]],
-                                 self.mode.chunk_rows)
+                                 self.mode.chunk_rows, compiled=self.model.uses_compiled(self.dev))
         self.logp_U[u_X] = logp_X.detach().to(self.logp_U.dtype)
         if self.weight_U is not None:
             loss = -(self.weight_U[u_X] * logp_X).sum()

@@ -149,6 +149,7 @@ def build_model(cfg: RunConfig, packs: list[Pack], device: torch.device, dtype: 
     if max_id >= model.args.vocab_size:
         raise ConfigError(f"the data has token id {max_id}, outside the model's vocabulary ({model.args.vocab_size})")
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.compile = cfg.train.compile
     return model
 
 

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from treepack.errors import ConfigError, TreepackError
 from treepack.layout import Pack
+from treepack.train.compiled import pick
 
 LOSSES = ("sft", "grpo")
 NORMALIZATIONS = ("token", "sequence")
@@ -58,24 +59,42 @@ def _mm_dtype(hidden: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _chunk_logprobs(logits_CV: Tensor, target_C: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(log-sum-exp, log-prob of the target) of each row, accumulated in ``acc``."""
+    logits_CV = logits_CV.to(acc)
+    lse_C = torch.logsumexp(logits_CV, dim=-1)
+    return lse_C, logits_CV.gather(1, target_C[:, None])[:, 0] - lse_C
+
+
+def _chunk_grad_logits(logits_CV: Tensor, lse_C: Tensor, g_C: Tensor, target_C: Tensor, out: torch.dtype) -> Tensor:
+    """d(sum_r g_r logp_r) / d logits = g_r (onehot(target_r) - softmax(logits_r)), cast to ``out``."""
+    acc = lse_C.dtype
+    g_C = g_C.to(acc)
+    grad_CV = torch.exp(logits_CV.to(acc) - lse_C[:, None]).mul(-g_C[:, None])
+    return grad_CV.scatter_add(1, target_C[:, None], g_C[:, None]).to(out)
+
+
 class _TargetLogProb(torch.autograd.Function):
-    """logp_R = log_softmax(hidden_RD @ weight_VD.T)[r, target_R[r]], chunked over rows, logits recomputed."""
+    """logp_R = log_softmax(hidden_RD @ weight_VD.T)[r, target_R[r]], chunked over rows, logits recomputed.
+
+    The logits of a chunk stay in the matmul dtype; the softmax work reads them once per pass (compiled:
+    one fused kernel each way instead of a float32 copy plus several elementwise passes)."""
 
     @staticmethod
-    def forward(ctx, hidden_RD: Tensor, weight_VD: Tensor, target_R: Tensor, chunk: int) -> Tensor:
+    def forward(ctx, hidden_RD: Tensor, weight_VD: Tensor, target_R: Tensor, chunk: int, compiled: bool) -> Tensor:
         mm = _mm_dtype(hidden_RD)
         acc = torch.float64 if mm == torch.float64 else torch.float32
         h_RD, w_VD = hidden_RD.to(mm), weight_VD.to(mm)
         R = h_RD.shape[0]
         logp_R = torch.empty(R, dtype=acc, device=h_RD.device)
         lse_R = torch.empty(R, dtype=acc, device=h_RD.device)
+        logprobs = pick(_chunk_logprobs, compiled)
         for r0 in range(0, R, chunk):
-            logits_CV = (h_RD[r0 : r0 + chunk] @ w_VD.T).to(acc)
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
-            lse_R[r0 : r0 + chunk] = lse_C
-            logp_R[r0 : r0 + chunk] = logits_CV.gather(1, target_R[r0 : r0 + chunk, None])[:, 0] - lse_C
+            lse_R[r0 : r0 + chunk], logp_R[r0 : r0 + chunk] = logprobs(
+                h_RD[r0 : r0 + chunk] @ w_VD.T, target_R[r0 : r0 + chunk], acc
+            )
         ctx.save_for_backward(hidden_RD, weight_VD, target_R, lse_R)
-        ctx.chunk, ctx.mm = chunk, mm
+        ctx.chunk, ctx.mm, ctx.compiled = chunk, mm, compiled
         return logp_R
 
     @staticmethod
@@ -87,30 +106,29 @@ class _TargetLogProb(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h_RD = torch.empty_like(hidden_RD) if need_h else None
         grad_w_VD = torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_w else None
+        grad_logits = pick(_chunk_grad_logits, ctx.compiled)
         for r0 in range(0, h_RD.shape[0], chunk):
             h_CD = h_RD[r0 : r0 + chunk]
-            g_C = grad_R[r0 : r0 + chunk].to(acc)
-            # d logp / d logits = onehot(target) - softmax(logits)
-            probs_CV = torch.exp((h_CD @ w_VD.T).to(acc) - lse_R[r0 : r0 + chunk, None])
-            grad_logits_CV = probs_CV.mul_(-g_C[:, None])
-            grad_logits_CV.scatter_add_(1, target_R[r0 : r0 + chunk, None], g_C[:, None])
+            grad_logits_CV = grad_logits(h_CD @ w_VD.T, lse_R[r0 : r0 + chunk], grad_R[r0 : r0 + chunk],
+                                         target_R[r0 : r0 + chunk], mm)
             if need_h:
-                grad_h_RD[r0 : r0 + chunk] = (grad_logits_CV.to(mm) @ w_VD).to(hidden_RD.dtype)
+                grad_h_RD[r0 : r0 + chunk] = (grad_logits_CV @ w_VD).to(hidden_RD.dtype)
             if need_w:
-                grad_w_VD += (grad_logits_CV.to(mm).T @ h_CD).to(acc)
+                grad_w_VD += (grad_logits_CV.T @ h_CD).to(acc)
         if need_w:
             grad_w_VD = grad_w_VD.to(weight_VD.dtype)
-        return grad_h_RD, grad_w_VD, None, None
+        return grad_h_RD, grad_w_VD, None, None, None
 
 
 def target_logprobs(hidden_RD: Tensor, weight_VD: Tensor, target_R: Tensor,
-                    chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Tensor:
+                    chunk_rows: int = DEFAULT_CHUNK_ROWS, *, compiled: bool = False) -> Tensor:
     """Log-prob [R] of ``target_R`` under ``softmax(hidden_RD @ weight_VD.T)``, in float32 (float64 for
-    float64 inputs), ``chunk_rows`` rows of logits alive at a time in forward and backward."""
+    float64 inputs), ``chunk_rows`` rows of logits alive at a time in forward and backward;
+    ``compiled``: the softmax passes through `torch.compile` (CUDA)."""
     if hidden_RD.shape[0] == 0:
         acc = torch.float64 if hidden_RD.dtype == torch.float64 else torch.float32
         return (hidden_RD.sum(-1) + weight_VD.sum() * 0).to(acc)  # empty, still attached to the graph
-    return _TargetLogProb.apply(hidden_RD, weight_VD, target_R.long(), int(chunk_rows))
+    return _TargetLogProb.apply(hidden_RD, weight_VD, target_R.long(), int(chunk_rows), bool(compiled))
 
 
 # --------------------------------------------------------------------------------------------------

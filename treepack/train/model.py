@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from treepack.errors import ConfigError
+from treepack.train.compiled import pick, use_compiled
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -345,10 +346,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        xf = x.float() if dtype in (torch.float16, torch.bfloat16) else x
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last axis as ``transformers`` computes it (16-bit inputs upcast to float32)."""
+    dtype = x.dtype
+    xf = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
 
 
 def rope_inv_freq(args: ModelArgs, dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
@@ -393,6 +399,9 @@ def apply_rope(x_TNE: Tensor, cos_TE: Tensor, sin_TE: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    """The attention weights (names as in ``transformers``); the math is `attention_inputs` and
+    `attention_output_and_mlp`, run by `DecoderLayer`."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         D, H, K, E = args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim
@@ -407,34 +416,16 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x_TD: Tensor, cos_TE: Tensor, sin_TE: Tensor, attn: AttentionContext,
-                past: KV | None) -> tuple[Tensor, KV]:
-        T = x_TD.shape[0]
-        q_THE = self.q_proj(x_TD).view(T, self.num_heads, self.head_dim)
-        k_TKE = self.k_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
-        v_TKE = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q_THE, k_TKE = self.q_norm(q_THE), self.k_norm(k_TKE)
-        q_THE, k_TKE = apply_rope(q_THE, cos_TE, sin_TE), apply_rope(k_TKE, cos_TE, sin_TE)
-        # Under autocast the projections come out in the autocast dtype while norms may promote: the
-        # kernel takes one dtype, that of v (a plain projection).
-        q_THE, k_TKE = q_THE.to(v_TKE.dtype), k_TKE.to(v_TKE.dtype)
-        if past is not None:
-            past = (past[0].to(v_TKE.dtype), past[1].to(v_TKE.dtype))
-        o_THE = attn.attend(q_THE, k_TKE, v_TKE, past)
-        return self.o_proj(o_THE.reshape(T, -1)), (k_TKE, v_TKE)
-
 
 class MLP(nn.Module):
+    """The SwiGLU weights; the math is in `attention_output_and_mlp`."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         D, F_ = args.hidden_size, args.intermediate_size
         self.gate_proj = nn.Linear(D, F_, bias=args.mlp_bias)
         self.up_proj = nn.Linear(D, F_, bias=args.mlp_bias)
         self.down_proj = nn.Linear(F_, D, bias=args.mlp_bias)
-
-    def forward(self, x_TD: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
 
 
 class DecoderLayer(nn.Module):
@@ -446,11 +437,53 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x_TD: Tensor, cos_TE: Tensor, sin_TE: Tensor, attn: AttentionContext,
-                past: KV | None) -> tuple[Tensor, KV]:
-        a_TD, kv = self.self_attn(self.input_layernorm(x_TD), cos_TE, sin_TE, attn, past)
-        x_TD = x_TD + a_TD
-        x_TD = x_TD + self.mlp(self.post_attention_layernorm(x_TD))
-        return x_TD, kv
+                past: KV | None, compiled: bool = False) -> tuple[Tensor, KV]:
+        """Two elementwise-heavy regions (compiled on CUDA) around the attention call, which stays eager."""
+        a, m = self.self_attn, self.mlp
+        q_norm_w = a.q_norm.weight if a.q_norm is not None else None
+        k_norm_w = a.k_norm.weight if a.k_norm is not None else None
+        q_THE, k_TKE, v_TKE = pick(attention_inputs, compiled)(
+            x_TD, self.input_layernorm.weight, self.input_layernorm.eps,
+            a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+            q_norm_w, k_norm_w, cos_TE, sin_TE, a.num_heads, a.num_kv_heads, a.head_dim,
+        )
+        if past is not None:
+            past = (past[0].to(v_TKE.dtype), past[1].to(v_TKE.dtype))
+        o_THE = attn.attend(q_THE, k_TKE, v_TKE, past)
+        x_TD = pick(attention_output_and_mlp, compiled)(
+            x_TD, o_THE, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.eps, m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight,
+            m.up_proj.bias, m.down_proj.weight, m.down_proj.bias,
+        )
+        return x_TD, (k_TKE, v_TKE)
+
+
+def attention_inputs(x_TD: Tensor, norm_w_D: Tensor, eps: float, q_w: Tensor, q_b: Tensor | None, k_w: Tensor,
+                     k_b: Tensor | None, v_w: Tensor, v_b: Tensor | None, q_norm_w: Tensor | None,
+                     k_norm_w: Tensor | None, cos_TE: Tensor, sin_TE: Tensor, H: int, K: int, E: int
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """Pre-norm, q/k/v projections, Qwen3's per-head q/k norms and RoPE: the kernel's inputs.
+
+    Under autocast the projections come out in the autocast dtype while norms may promote: the kernel
+    takes one dtype, that of v (a plain projection)."""
+    T = x_TD.shape[0]
+    h_TD = rms_norm(x_TD, norm_w_D, eps)
+    q_THE = F.linear(h_TD, q_w, q_b).view(T, H, E)
+    k_TKE = F.linear(h_TD, k_w, k_b).view(T, K, E)
+    v_TKE = F.linear(h_TD, v_w, v_b).view(T, K, E)
+    if q_norm_w is not None:
+        q_THE, k_TKE = rms_norm(q_THE, q_norm_w, eps), rms_norm(k_TKE, k_norm_w, eps)
+    q_THE, k_TKE = apply_rope(q_THE, cos_TE, sin_TE), apply_rope(k_TKE, cos_TE, sin_TE)
+    return q_THE.to(v_TKE.dtype), k_TKE.to(v_TKE.dtype), v_TKE
+
+
+def attention_output_and_mlp(x_TD: Tensor, o_THE: Tensor, o_w: Tensor, o_b: Tensor | None, norm_w_D: Tensor,
+                             eps: float, gate_w: Tensor, gate_b: Tensor | None, up_w: Tensor, up_b: Tensor | None,
+                             down_w: Tensor, down_b: Tensor | None) -> Tensor:
+    """Output projection and residual, then the post-norm SwiGLU MLP and its residual."""
+    x_TD = x_TD + F.linear(o_THE.reshape(x_TD.shape[0], -1), o_w, o_b)
+    h_TD = rms_norm(x_TD, norm_w_D, eps)
+    return x_TD + F.linear(F.silu(F.linear(h_TD, gate_w, gate_b)) * F.linear(h_TD, up_w, up_b), down_w, down_b)
 
 
 class DecoderBody(nn.Module):
@@ -478,6 +511,7 @@ class Decoder(nn.Module):
         self.model = DecoderBody(args)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.activation_checkpointing = False  # recompute each layer in backward (saves activations)
+        self.compile = "auto"  # auto | on | off: torch.compile the elementwise regions (auto = on CUDA)
 
     @property
     def head_weight(self) -> Tensor:
@@ -506,18 +540,23 @@ class Decoder(nn.Module):
             raise ValueError(f"past_kv must have one (k, v) per layer ({self.args.num_layers}), got {len(past_kv)}")
         x_TD = self.model.embed_tokens(input_ids_T)
         cos_TE, sin_TE = rope_cos_sin(self.args, position_ids_T, x_TD.dtype)
+        compiled = self.uses_compiled(x_TD.device)
         kv_out: list[KV] = []
         for i, layer in enumerate(self.model.layers):
             past = None if past_kv is None else past_kv[i]
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x_TD, kv = checkpoint(
-                    layer, x_TD, cos_TE, sin_TE, attn, past, use_reentrant=False
+                    layer, x_TD, cos_TE, sin_TE, attn, past, compiled, use_reentrant=False
                 )
             else:
-                x_TD, kv = layer(x_TD, cos_TE, sin_TE, attn, past)
+                x_TD, kv = layer(x_TD, cos_TE, sin_TE, attn, past, compiled)
             if return_kv:
                 kv_out.append(kv)
         return DecoderOutput(hidden_TD=self.model.norm(x_TD), kv=kv_out)
+
+    def uses_compiled(self, device: torch.device) -> bool:
+        """Whether forwards (and the losses over them) run the compiled elementwise regions here."""
+        return use_compiled(self.compile, device, self.dtype)
 
     def logits(self, hidden_ND: Tensor) -> Tensor:
         """Full-vocabulary logits of a few rows (tests, sampling); losses use chunked log-probs instead."""

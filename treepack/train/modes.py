@@ -101,7 +101,8 @@ class DenseMode(Mode):
         attn = AttentionContext.causal([n for n in lengths_S.tolist() if n > 0], self.attention, device=dev)
         hidden_FD = model(ids_F, pos_F, attn).hidden_TD
         flat_R = torch.as_tensor(rows.flat_R, device=dev)
-        logp_R = target_logprobs(hidden_FD[flat_R - 1], model.head_weight, ids_F[flat_R], self.chunk_rows)
+        logp_R = target_logprobs(hidden_FD[flat_R - 1], model.head_weight, ids_F[flat_R], self.chunk_rows,
+                                 compiled=model.uses_compiled(dev))
         tensors = objective.row_tensors(rows, totals, device=dev, dtype=_row_dtype(model))
         return self._finish(objective, logp_R, tensors, None, int(index_F.shape[0]))
 
@@ -137,7 +138,7 @@ class TreeMode(Mode):
             raise LayoutError(f"pack token {u} is a training target but its parent is {int(parent_U[np.argmax(bad)])}")
         token_U_t = torch.as_tensor(token_U, device=dev)
         logp_U = target_logprobs(hidden_TD[torch.as_tensor(parent_U, device=dev)], model.head_weight,
-                                 ids_T[token_U_t], self.chunk_rows)
+                                 ids_T[token_U_t], self.chunk_rows, compiled=model.uses_compiled(dev))
         # Rows gather their token's log-prob: the gather's backward sums shared tokens' gradients.
         logp_R = logp_U[torch.as_tensor(np.searchsorted(token_U, rows.token_R), device=dev)]
         row_dtype = _row_dtype(model)

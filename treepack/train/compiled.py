@@ -1,0 +1,42 @@
+"""``torch.compile`` for the elementwise work between the matmuls and the attention kernel.
+
+Why: in eager mode every RMSNorm, RoPE, SwiGLU, residual add, autocast copy and loss softmax is its own
+kernel reading and writing whole [T, D] (or [rows, V]) tensors in float32; on an H200 that was half the GPU
+time of a Qwen3-0.6B training step, three times the matmuls (benchmarks/results/2026-11-21-train-step-h200.md).
+Inductor fuses each region into a few kernels and saves fewer intermediates for backward.
+
+What is compiled: pure functions of tensors (the layer math in `model`, the loss chunks in `losses`), never
+modules or the attention call, so one compilation serves every layer, the tree kernel stays an opaque
+custom op, and dynamic shapes (``dynamic=True``) serve every pack and DFS chunk length without
+recompiling. The eager and compiled paths run the same function: CPU and float64 (the equivalence
+tests) stay eager; CUDA uses the compiled one unless the config says ``compile = "off"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_compiled: dict[Callable, Callable] = {}
+
+
+def compiled(fn: Callable) -> Callable:
+    """The compiled twin of ``fn`` (built once, shared by every caller)."""
+    out = _compiled.get(fn)
+    if out is None:
+        out = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return out
+
+
+def use_compiled(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``mode`` (auto | on | off) compiles on this device and dtype: auto = CUDA, 16/32-bit."""
+    if mode == "off":
+        return False
+    if mode == "on":
+        return True
+    return device.type == "cuda" and dtype != torch.float64
+
+
+def pick(fn: Callable, enabled: bool) -> Callable:
+    return compiled(fn) if enabled else fn
