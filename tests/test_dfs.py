@@ -120,7 +120,16 @@ def check_schedule(parent_T, sched, block, keep):
     done: dict[int, int] = {}  # token -> step that forwarded it with grad
     kept_open: dict[int, list[int]] = {}
     live = peak = 0
+    if 0 < len(parent) <= (block or 10**9):  # the whole tree fits one call: one tree step
+        (step,) = sched.steps
+        assert step.kind == "grad" and step.lo == 0 and not step.kv_grad
+        assert step.tokens_C.tolist() == list(range(len(parent)))
+        naive = [max(u for u in range(t, len(parent)) if t in ancestors(parent, u)) + 1 for t in range(len(parent))]
+        assert step.subtree_end_C.tolist() == naive
+        assert sched.peak_graph_tokens == sched.grad_tokens == len(parent) and sched.anchor_tokens == 0
+        return
     for k, step in enumerate(sched.steps):
+        assert not step.is_tree
         toks = step.tokens_C.tolist()
         path = ancestors(parent, toks[0])
         assert len(path) - 1 == step.lo  # the segment starts at depth lo ...
@@ -184,8 +193,10 @@ def test_anchor_tokens_match_the_formula():
         if parent_T[t] >= 0 and below[parent_T[t]] == 1:
             leaf_of[parent_T[t]] = leaf_of[t]
     tail = np.bincount(leaf_of[below == 1], minlength=n)  # each leaf's own tokens
-    for block in (1, 4, 7, 0):
+    for block in (1, 4, 7, n - 1, n, 0):
         expected = int((below >= 2).sum()) + int(np.maximum(tail - (block or n), 0).sum())
+        if block == 0 or block >= n:  # the whole tree fits one call: nothing is anchored
+            expected = 0
         for order in ("backward", "layout"):
             assert plan(parent_T, block_size=block, order=order).anchor_tokens == expected
 

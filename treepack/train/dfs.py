@@ -14,6 +14,10 @@ previous / next leaf and depth ``n``, `plan` emits:
    (its stored graph back-propagated). The topmost call takes as many of the leaf's fresh tokens as the
    block allows, and the fresh tokens below it are anchored in step 1 (one no-grad call per leaf at most).
 
+A pack whose (live) tree fits one block is not walked at all: it is forwarded and back-propagated in one
+call with its tree mask (the tree mode's work, graph bounded by the block), so ``dfs`` costs what ``tree``
+does wherever the tree fits and only pays for the traversal where it must split.
+
 Every real token is forwarded with grad exactly once (in the pop that finishes its subtree), so the work
 is N_tree tokens forward and backward plus the anchors, and no graph is ever re-entered.
 
@@ -86,6 +90,7 @@ class Step:
     lo: int  # depth of the first token: the segment attends to the cached path rows [0, lo)
     tokens_C: np.ndarray  # int64 pack indices of the segment's tokens, root to leaf
     kv_grad: bool  # grad/release: rows of the segment were cached, so later segments sent them dK/dV
+    subtree_end_C: np.ndarray | None = None  # a whole tree in one call (local subtree ends); None: a chain
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:
@@ -98,6 +103,10 @@ class Step:
     @property
     def n(self) -> int:
         return int(self.tokens_C.shape[0])
+
+    @property
+    def is_tree(self) -> bool:
+        return self.subtree_end_C is not None
 
 
 STEP_KINDS = {
@@ -248,6 +257,17 @@ def _node_pieces(path: list[int], depth: list[int], depth_end: list[int], lo: in
     return out
 
 
+def subtree_ends(parent_T: np.ndarray) -> np.ndarray:
+    """int64 [T]: exclusive end of each token's subtree, for tokens in DFS preorder (``parent[t] < t``)."""
+    parent = np.asarray(parent_T, dtype=np.int64).tolist()
+    end = list(range(1, len(parent) + 1))
+    for t in range(len(parent) - 1, 0, -1):  # children after parents: a reverse pass sees every child first
+        p = parent[t]
+        if p >= 0 and end[t] > end[p]:
+            end[p] = end[t]
+    return np.asarray(end, dtype=np.int64)
+
+
 def live_tokens(parent_T: np.ndarray, needed_T: np.ndarray) -> np.ndarray:
     """bool [T]: tokens whose subtree holds a needed token (the others change no loss and no gradient)."""
     nodes = tree_nodes(parent_T)
@@ -310,6 +330,12 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
     limit = block or max(int(parent_T.shape[0]), 1)
     nodes = tree_nodes(parent_T)
     leaves = leaf_order(nodes, order)
+    T = int(parent_T.shape[0])
+    if 0 < T <= limit:  # the whole tree fits one call: forward it as a tree, no path to walk
+        step = Step("grad", 0, np.arange(T, dtype=np.int64), kv_grad=False, subtree_end_C=subtree_ends(parent_T))
+        return Schedule(steps=[step], n_tokens=T, n_pruned=0, max_depth=int(nodes.depth_end_N.max()),
+                        n_leaves=len(leaves), block_size=block or None, keep_tokens=int(keep_tokens), order=order,
+                        peak_graph_tokens=T)
     start, depth, depth_end = nodes.start_N.tolist(), nodes.depth_N.tolist(), nodes.depth_end_N.tolist()
     parent_N = nodes.parent_N.tolist()
 
@@ -587,6 +613,8 @@ class _Traversal:
         arrays: dict[tuple[str, int], np.ndarray] = {}
         for k, step in enumerate(self.schedule.steps):
             arrays["tokens", k] = step.tokens_C
+            if step.is_tree:
+                arrays["subtree_end", k] = step.subtree_end_C
             u_idx = targets.u_of_step.get(k)
             if u_idx is None or step.kind not in ("grad", "keep"):
                 continue
@@ -662,25 +690,31 @@ class _Traversal:
             self.cache = _PathCache(len(kv), max(self.schedule.max_depth, 1), kv[0][0])
         return self.cache
 
-    def _context(self, n: int) -> AttentionContext:
-        """Causal attention over a chain of n tokens (every token's subtree ends at n), plus the prefix."""
-        ctx = self.contexts.get(n)
+    def _context(self, k: int, step: Step) -> AttentionContext:
+        """Causal attention over a chain of n tokens (every token's subtree ends at n), plus the prefix;
+        or the mask of a whole tree forwarded in one call."""
+        n = step.n
+        ctx = None if step.is_tree else self.contexts.get(n)
         if ctx is None:
-            subtree_end_T = torch.full((n,), n, dtype=torch.int32, device=self.dev)
-            if self.dev.type == "cuda":  # the chain is valid by construction: skip prepare's host sync
+            if step.is_tree:
+                subtree_end_T = self.index["subtree_end", k].to(torch.int32)
+            else:
+                subtree_end_T = torch.full((n,), n, dtype=torch.int32, device=self.dev)
+            if self.dev.type == "cuda":  # valid by construction: skip prepare's host sync
                 from treepack.kernels import prepare
 
                 ctx = AttentionContext(kind="tree", impl=self.mode.attention, mask=prepare(subtree_end_T, validate=False))
             else:
                 ctx = AttentionContext.tree(subtree_end_T, self.mode.attention)
-            self.contexts[n] = ctx
+            if not step.is_tree:
+                self.contexts[n] = ctx
         return ctx
 
     def _forward(self, k: int, step: Step, *, grad: bool, return_kv: bool):
         tok_C = self.index["tokens", k]
         past = self.cache.prefix(step.lo, grad=grad) if step.lo else None
         self.work["model_calls"] += 1
-        return self.model(self.ids_T[tok_C], self.pos_T[tok_C], self._context(step.n), past_kv=past,
+        return self.model(self.ids_T[tok_C], self.pos_T[tok_C], self._context(k, step), past_kv=past,
                           return_kv=return_kv)
 
     def _step_loss(self, k: int, hidden_CD: Tensor) -> Tensor | None:
