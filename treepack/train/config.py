@@ -133,7 +133,7 @@ class TrainConfig:
     logits_chunk: int = 4096  # rows of full-vocabulary logits alive at a time in the loss
     activation_checkpointing: bool = False  # recompute each layer in backward (less memory, ~1.3x compute)
     compile: str = "auto"  # torch.compile the elementwise regions: auto (on CUDA, not float64) | on | off
-    dfs_block_size: int = 2048  # dfs: most tokens forwarded with grad in one call (0 = unlimited)
+    dfs_block_size: int = 2048  # dfs: most tokens forwarded with grad in one call (0 = unlimited: a pack in one call)
     dfs_keep_tokens: int = 0  # dfs: shared segments kept with their graph instead of re-forwarded (tokens; 0 = off)
     dfs_order: str = "backward"  # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout (the pack's)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -338,7 +338,7 @@ seed = 0
 logits_chunk = 4096         # rows of full-vocabulary logits alive at a time
 activation_checkpointing = false
 compile = "auto"            # torch.compile norms/RoPE/SwiGLU/loss softmax: auto (on CUDA) | on | off
-dfs_block_size = 2048       # dfs: most tokens forwarded with grad at once (0 = unlimited)
+dfs_block_size = 2048       # dfs: most tokens forwarded with grad at once (0 = unlimited); a tree that fits is one call
 dfs_keep_tokens = 0         # dfs: shared segments kept with their graph instead of re-forwarded (0 = off)
 dfs_order = "backward"      # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout
 

@@ -50,10 +50,10 @@ share (anchor / all forwarded tokens) of `benchmarks/dfs.py`'s workloads (``--pl
 
 Chains with long private tails (tau-bench: one trajectory per task) pay for a small block; combs of short
 leaves on a long shared trunk (dropped reasoning) pay for anchoring the trunk unless it is kept. Each step
-is a full model call, so its host-side cost matters too: on an H200 with Qwen3-0.6B (28 layers, eager),
-B=2048 took 4.4 s per tau-bench step and B=8192 1.9 s (tree mode 1.9 s at 3x the memory) although the
-former has only ~1.2x the FLOPs: its 42 calls of ~2k tokens look launch-bound (the timings fit ~60 ms of
-host time per call; not yet profiled).
+is a full model call, so its host-side cost matters too: ~40-60 ms per call of kernel launches for
+Qwen3-0.6B (28 layers, compiled elementwise regions), which a call of a few thousand tokens does not
+hide. On an H200 a tau-bench step took 1.48 s at B=8192 (12 calls) against 1.28 s for tree mode in 3
+packs, at 16 GiB instead of 43 GiB.
 Prefer the largest block the memory allows (benchmarks/results/2026-11-21-dfs.md).
 
 Legend: T pack tokens, C tokens of a step, X targets of a step, U target tokens of the pack, R loss
