@@ -55,7 +55,7 @@ AREAL_DTA = {"seconds": 1.97, "gib": 13.4}  # AReaL-DTA's code on tau-bench 144 
 
 from treepack.layout import Pack, build_pack
 from treepack.rollouts import Rollouts, read_rollouts
-from treepack.train.data import pack_rollouts
+from treepack.train.data import dense_batches, leaf_sequences, pack_rollouts
 from treepack.train.dfs import DfsMode, merge_work
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import ModelArgs
@@ -104,38 +104,13 @@ def workload(name: str, args) -> Rollouts:
         return _one_forest(read_rollouts([path]), args.seed)
 
 
-def leaf_sequences(whole: Pack) -> np.ndarray:
-    """Global indices of one sequence per leaf of the tree (duplicates and prefixes of another dropped)."""
-    parent_T = np.asarray(whole.parent[: whole.n_real], dtype=np.int64)
-    is_leaf_T = np.bincount(parent_T[parent_T >= 0], minlength=whole.n_real) == 0
-    leaf_S = np.asarray(whole.seq_leaf, dtype=np.int64)
-    ends_leaf = np.flatnonzero(is_leaf_T[leaf_S])
-    _, first = np.unique(leaf_S[ends_leaf], return_index=True)
-    return np.sort(np.asarray(whole.seq_index)[ends_leaf[first]])
-
-
-def micro_batches(r: Rollouts, index: np.ndarray, budget: int) -> list[Pack]:
-    """Whole sequences in input order, each batch at most ``budget`` flat tokens (a longer one alone)."""
-    packs, current, size = [], [], 0
-    for i in index.tolist():
-        n = int(r.lengths[i])
-        if current and size + n > budget:
-            packs.append(build_pack(r, np.asarray(current)))
-            current, size = [], 0
-        current.append(i)
-        size += n
-    if current:
-        packs.append(build_pack(r, np.asarray(current)))
-    return packs
-
-
 def batches(r: Rollouts, args) -> dict[str, list[Pack]]:
     whole = build_pack(r)
     return {
         "dfs": [whole],
         "tree": list(pack_rollouts(r, args.capacity)),
-        "dense": micro_batches(r, np.arange(len(r)), args.dense_tokens),
-        "dense-leaf": micro_batches(r, leaf_sequences(whole), args.dense_tokens),
+        "dense": dense_batches(r, np.arange(len(r)), args.dense_tokens),
+        "dense-leaf": dense_batches(r, leaf_sequences(r), args.dense_tokens),
     }
 
 
@@ -214,7 +189,7 @@ def run_gpu(args) -> None:
     margs = QWEN3_0_6B if args.model == "qwen3-0.6b" else TINY
     t0 = time.perf_counter()
     model = Decoder.random_init(margs, seed=args.seed, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
-                                device=dev)
+                                device=dev, draw_on_device=True)
     init_s = time.perf_counter() - t0
     model.compile = args.compile
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

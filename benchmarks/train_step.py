@@ -106,13 +106,13 @@ _import_treepack()
 import torch
 
 from treepack.errors import TreepackError
-from treepack.layout import Pack, build_pack
+from treepack.layout import Pack
 from treepack.rollouts import Rollouts, read_rollouts
 from treepack.sizes import parse_size
 from treepack.stats import MODEL_SHAPES, ModelShape
 from treepack.train import losses
 from treepack.train.config import RunConfig
-from treepack.train.data import pack_rollouts
+from treepack.train.data import dense_batches, leaf_sequences, pack_rollouts
 from treepack.train.loop import make_optimizer, resolve_precision
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import Decoder, ModelArgs
@@ -181,27 +181,6 @@ def compact_ids(r: Rollouts) -> tuple[Rollouts, int]:
     return dataclasses.replace(r, tokens=inverse.astype(np.int32)), int(ids.shape[0])
 
 
-def leaf_sequences(r: Rollouts) -> np.ndarray:
-    """Input indices of one sequence per leaf of the trie (duplicates and prefixes of another dropped)."""
-    tree = PrefixTree.from_arrays(r.tokens, r.offsets)
-    return np.sort(tree.order[tree.is_leaf_seq])
-
-
-def micro_batches(r: Rollouts, index: np.ndarray, budget: int) -> list[Pack]:
-    """Whole sequences in input order, micro-batches of <= ``budget`` flat tokens (a longer one alone)."""
-    packs, current, size = [], [], 0
-    for i in index.tolist():
-        n = int(r.lengths[i])
-        if current and size + n > budget:
-            packs.append(build_pack(r, np.asarray(current)))
-            current, size = [], 0
-        current.append(i)
-        size += n
-    if current:
-        packs.append(build_pack(r, np.asarray(current)))
-    return packs
-
-
 @dataclass
 class Work:
     """What one runner computes in one step, for the FLOP model."""
@@ -253,24 +232,6 @@ def model_shape(name: str, args: ModelArgs) -> ModelShape:
     if name in MODEL_SHAPES and MODEL_SHAPES[name] != shape:
         raise AssertionError(f"{name}: shape {shape} differs from treepack.stats' {MODEL_SHAPES[name]}")
     return shape
-
-
-def init_model(args: ModelArgs, device: torch.device, seed: int) -> Decoder:
-    """Random float32 weights drawn on the device (`Decoder.random_init` draws 2B float64 values on the
-    CPU for the 1.7B model: half a minute; the values do not matter for timing)."""
-    with torch.device("meta"):
-        model = Decoder(args)
-    model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, args.init_std, generator=gen)
-    return model
 
 
 def _sync(device: torch.device) -> None:
@@ -695,9 +656,9 @@ class Bench:
             info = self.workload(job.workload, job.model)
             r = info.rollouts
             if job.runner == "dense":
-                self.works[key] = Work.flat(micro_batches(r, np.arange(len(r)), self.dense_tokens))
+                self.works[key] = Work.flat(dense_batches(r, np.arange(len(r)), self.dense_tokens))
             elif job.runner == "dense-leaf":
-                self.works[key] = Work.flat(micro_batches(r, info.leaf_S, self.dense_tokens))
+                self.works[key] = Work.flat(dense_batches(r, info.leaf_S, self.dense_tokens))
             else:
                 self.works[key] = Work.tree(list(pack_rollouts(r, job.capacity)))
         return self.works[key]
@@ -710,7 +671,8 @@ class Bench:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             t0 = time.perf_counter()
-            model = init_model(model_args(job.model, key[1]), self.device, self.args.seed)
+            model = Decoder.random_init(model_args(job.model, key[1]), seed=self.args.seed, device=self.device,
+                                            draw_on_device=True)
             model.compile = self.args.compile
             self.trainer, self.trainer_key = Trainer(model, self.autocast_dtype), key
             self.log(f"{job.model}: initialised on {self.device} in {time.perf_counter() - t0:.1f} s")

@@ -161,3 +161,19 @@ def test_causal_chunks_and_kernel_chains_agree(monkeypatch):
     g0 = torch.autograd.grad(m(ids, pos, AttentionContext.causal(lengths)).hidden_TD.square().sum(),
                              m.model.layers[0].self_attn.q_proj.weight)[0]
     assert torch.allclose(g0, g1, rtol=0, atol=1e-12)
+
+
+def test_random_init_drawn_on_the_device_has_the_same_distribution():
+    args = ModelArgs.for_family("qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
+                                num_heads=4, num_kv_heads=2, head_dim=16, init_std=0.05)
+    fast = Decoder.random_init(args, seed=1, dtype=torch.bfloat16, draw_on_device=True)
+    assert fast.dtype == torch.bfloat16
+    for name, p in fast.named_parameters():
+        if name.endswith("norm.weight"):
+            assert bool((p == 1).all()), name
+        elif name.endswith(".bias"):
+            assert bool((p == 0).all()), name
+        else:
+            assert abs(float(p.float().std()) - 0.05) < 0.01, name
+    again = Decoder.random_init(args, seed=1, dtype=torch.bfloat16, draw_on_device=True)
+    assert all(torch.equal(a, b) for a, b in zip(fast.parameters(), again.parameters()))  # seeded

@@ -103,6 +103,30 @@ def pack_rollouts(r: Rollouts, capacity: int, *, max_packs: int | None = None) -
         yield flush()
 
 
+def leaf_sequences(r: Rollouts) -> np.ndarray:
+    """Input indices of one sequence per leaf of the trie, ascending: duplicates and proper prefixes of
+    another sequence dropped. Training only these densely is the "dense-leaf" baseline (what a careful
+    user does by hand); the benchmarks compare the tree against it."""
+    tree = PrefixTree.from_arrays(r.tokens, r.offsets)
+    return np.sort(tree.order[tree.is_leaf_seq])
+
+
+def dense_batches(r: Rollouts, index: np.ndarray, budget: int) -> list[Pack]:
+    """Whole sequences ``index`` in that order, micro-batches of <= ``budget`` flat tokens (a longer
+    sequence alone): the dense baselines' batches."""
+    packs, current, size = [], [], 0
+    for i in np.asarray(index).tolist():
+        n = int(r.lengths[i])
+        if current and size + n > budget:
+            packs.append(build_pack(r, np.asarray(current)))
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        packs.append(build_pack(r, np.asarray(current)))
+    return packs
+
+
 def load_packs(
     sources: str | Path | list,
     *,

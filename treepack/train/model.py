@@ -567,19 +567,26 @@ class Decoder(nn.Module):
 
     @classmethod
     def random_init(cls, args: ModelArgs, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> Decoder:
+                    device: torch.device | str = "cpu", draw_on_device: bool = False) -> Decoder:
         """Random weights as ``transformers`` initialises them (normal(0, init_std), zero biases, unit
-        norms), drawn on the CPU from ``seed`` in parameter order: identical on every device."""
+        norms), drawn from ``seed`` in parameter order on the CPU in float64: identical on every device.
+        ``draw_on_device``: draw in ``dtype`` on ``device`` instead (a 1.7B model in a second rather than
+        half a minute; the values then depend on the device: for benchmarks)."""
+        draw_device = torch.device(device) if draw_on_device else torch.device("cpu")
         with torch.device("meta"):
             model = cls(args)
-        model.to_empty(device="cpu")
-        gen = torch.Generator().manual_seed(seed)
+        model.to_empty(device=draw_device)
+        if draw_on_device:
+            model.to(dtype=dtype)
+        gen = torch.Generator(device=draw_device).manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 elif name.endswith(".bias"):
                     p.zero_()
+                elif draw_on_device:
+                    p.normal_(0.0, args.init_std, generator=gen)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * args.init_std)
         return model.to(device=device, dtype=dtype)
