@@ -120,7 +120,7 @@ def check_schedule(parent_T, sched, block, keep):
     done: dict[int, int] = {}  # token -> step that forwarded it with grad
     kept_open: dict[int, list[int]] = {}
     live = peak = 0
-    if 0 < len(parent) <= (block or 10**9):  # the whole tree fits one call: one tree step
+    if 0 < len(parent) <= (block or 10**9) and any(st.is_tree for st in sched.steps):  # whole tree: one call
         (step,) = sched.steps
         assert step.kind == "grad" and step.lo == 0 and not step.kv_grad
         assert step.tokens_C.tolist() == list(range(len(parent)))
@@ -129,11 +129,23 @@ def check_schedule(parent_T, sched, block, keep):
         assert sched.peak_graph_tokens == sched.grad_tokens == len(parent) and sched.anchor_tokens == 0
         return
     for k, step in enumerate(sched.steps):
-        assert not step.is_tree
         toks = step.tokens_C.tolist()
         path = ancestors(parent, toks[0])
         assert len(path) - 1 == step.lo  # the segment starts at depth lo ...
-        assert all(parent[b] == a for a, b in itertools.pairwise(toks))  # ... and is a chain
+        head = toks[: step.path_rows]  # path rows [lo, lo + path_rows): a chain ...
+        assert all(parent[b] == a for a, b in itertools.pairwise(head))
+        if step.is_tree:  # ... then whole subtrees below it, with the call's own mask
+            assert step.kind == "grad" and step.n <= (block or 10**9)
+            below = toks[step.path_rows :]
+            top = head[-1] if head else parent[toks[0]]
+            assert all(parent[t] in head or parent[t] in below or parent[t] == top for t in below)
+            local = {t: i for i, t in enumerate(toks)}
+            naive = [max(local[u] for u in toks if t in ancestors(parent, u)) + 1 for t in toks]
+            assert step.subtree_end_C.tolist() == naive
+            for t in below:  # every descendant of a subtree token is in the call
+                assert all(u in local for u in range(t, len(parent)) if t in ancestors(parent, u))
+        else:
+            assert step.path_rows == step.n
         for d in range(step.lo):  # it reads exactly its ancestors' rows
             assert cache.get(d) == path[d], (k, d)
             readers[path[d]] = k
@@ -154,9 +166,9 @@ def check_schedule(parent_T, sched, block, keep):
             assert kept_open.pop(step.lo) == toks
             live -= step.n
         if step.kind in ("grad", "release"):
-            for t in toks:  # popped after every reader of its row; rows nobody read need no dK/dV
+            for i, t in enumerate(toks):  # popped after every reader of its row; rows nobody read need no dK/dV
                 assert readers.get(t, -1) < k
-                if not step.kv_grad:
+                if not step.kv_grad or i >= step.path_rows:
                     assert t not in readers
         peak = max(peak, live)
     assert not kept_open and live == 0
@@ -165,20 +177,21 @@ def check_schedule(parent_T, sched, block, keep):
     assert sched.grad_tokens == len(parent)
 
 
+@pytest.mark.parametrize("subtree_calls", [True, False])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seqs=sequence_lists(max_seqs=10, max_len=14, vocab=3), block=st.sampled_from([0, 1, 2, 3, 7]),
        keep=st.sampled_from([0, 2, 5, 1000]), order=st.sampled_from(["backward", "layout"]))
-def test_schedule_replays_exactly(seqs, block, keep, order):
+def test_schedule_replays_exactly(seqs, block, keep, order, subtree_calls):
     pack = build_pack(rollouts_from(seqs))
     parent_T = np.asarray(pack.parent[: pack.n_real], dtype=np.int64)
-    sched = plan(parent_T, block_size=block, keep_tokens=keep, order=order)
+    sched = plan(parent_T, block_size=block, keep_tokens=keep, order=order, subtree_calls=subtree_calls)
     check_schedule(parent_T, sched, block, keep)
     assert sched.max_depth == int(pack.position_ids.max()) + 1
     assert sched.n_leaves == int(np.sum(np.bincount(parent_T[parent_T >= 0], minlength=pack.n_real) == 0))
 
 
 def test_anchor_tokens_match_the_formula():
-    """keep=0: anchors = tokens shared by >= 2 leaves + each leaf's own tokens beyond one block, in any order."""
+    """keep=0, leaf by leaf: anchors = tokens shared by >= 2 leaves + each leaf's own tokens beyond one block."""
     seqs = random_sequences(3, n=14)
     pack = build_pack(rollouts_from(seqs))
     parent_T = np.asarray(pack.parent[: pack.n_real], dtype=np.int64)
@@ -195,10 +208,10 @@ def test_anchor_tokens_match_the_formula():
     tail = np.bincount(leaf_of[below == 1], minlength=n)  # each leaf's own tokens
     for block in (1, 4, 7, n - 1, n, 0):
         expected = int((below >= 2).sum()) + int(np.maximum(tail - (block or n), 0).sum())
-        if block == 0 or block >= n:  # the whole tree fits one call: nothing is anchored
-            expected = 0
-        for order in ("backward", "layout"):
-            assert plan(parent_T, block_size=block, order=order).anchor_tokens == expected
+        for order in ("backward", "layout"):  # AReaL-DTA's walk, leaf by leaf
+            assert plan(parent_T, block_size=block, order=order, subtree_calls=False).anchor_tokens == expected
+        if block == 0 or block >= n:  # with subtree calls the whole tree is one call: nothing is anchored
+            assert plan(parent_T, block_size=block).anchor_tokens == 0
 
 
 def test_backward_order_is_algorithm_1():
@@ -238,9 +251,11 @@ def test_plan_rejects_a_non_preorder_parent():
 # Equivalence with dense (float64)
 
 
-DFS_CONFIGS = [{"dfs_block_size": b} for b in (7, 2048, 0)] + [
+DFS_CONFIGS = [{"dfs_block_size": b} for b in (7, 40, 2048, 0)] + [
     {"dfs_block_size": 7, "dfs_keep_tokens": 12},
     {"dfs_block_size": 5, "dfs_keep_tokens": 10**6, "dfs_order": "layout"},
+    {"dfs_block_size": 7, "dfs_subtree_calls": False},  # AReaL-DTA's walk, leaf by leaf
+    {"dfs_block_size": 2048, "dfs_subtree_calls": False},
 ]
 
 
@@ -296,6 +311,8 @@ def test_dfs_equals_dense_on_hypothesis_trees(model, seqs, block, keep, kind):
     objective = Objective(kind=kind)
     ref = run(model, pack, "dense", objective)
     assert_same(*run(model, pack, "dfs", objective, dfs_block_size=block, dfs_keep_tokens=keep), *ref)
+    assert_same(*run(model, pack, "dfs", objective, dfs_block_size=block, dfs_keep_tokens=keep,
+                     dfs_subtree_calls=False), *ref)
 
 
 def test_verify_runs_dfs_and_reports_its_work():

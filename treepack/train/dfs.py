@@ -14,9 +14,11 @@ previous / next leaf and depth ``n``, `plan` emits:
    (its stored graph back-propagated). The topmost call takes as many of the leaf's fresh tokens as the
    block allows, and the fresh tokens below it are anchored in step 1 (one no-grad call per leaf at most).
 
-A pack whose (live) tree fits one block is not walked at all: it is forwarded and back-propagated in one
-call with its tree mask (the tree mode's work, graph bounded by the block), so ``dfs`` costs what ``tree``
-does wherever the tree fits and only pays for the traversal where it must split.
+Subtrees that fit one block are not walked at all (`_plan`'s ``subtree_calls``): each is forwarded and
+back-propagated in one call with its tree mask over the cached path (sibling subtrees together while they
+fit), so ``dfs`` costs what ``tree`` does wherever the tree fits one block, and walks leaf by leaf only
+where the tree is larger than a block. Each model call costs host time (tens of ms for a 28-layer model),
+so fewer, larger calls are faster at the same FLOPs.
 
 Every real token is forwarded with grad exactly once (in the pop that finishes its subtree), so the work
 is N_tree tokens forward and backward plus the anchors, and no graph is ever re-entered.
@@ -90,7 +92,9 @@ class Step:
     lo: int  # depth of the first token: the segment attends to the cached path rows [0, lo)
     tokens_C: np.ndarray  # int64 pack indices of the segment's tokens, root to leaf
     kv_grad: bool  # grad/release: rows of the segment were cached, so later segments sent them dK/dV
-    subtree_end_C: np.ndarray | None = None  # a whole tree in one call (local subtree ends); None: a chain
+    subtree_end_C: np.ndarray | None = None  # a tree call: its local subtree ends (None: a chain)
+    n_path: int | None = None  # tree call: its first n_path tokens are path rows [lo, lo + n_path), the rest
+    # whole subtrees below them (None: all tokens are path rows)
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:
@@ -107,6 +111,11 @@ class Step:
     @property
     def is_tree(self) -> bool:
         return self.subtree_end_C is not None
+
+    @property
+    def path_rows(self) -> int:
+        """Tokens of the step that are rows of the current path (the ones a K/V cache row may hold)."""
+        return self.n if self.n_path is None else self.n_path
 
 
 STEP_KINDS = {
@@ -291,24 +300,26 @@ def live_tokens(parent_T: np.ndarray, needed_T: np.ndarray) -> np.ndarray:
 
 
 def plan(parent_T: np.ndarray, *, needed_T: np.ndarray | None = None, block_size: int | None = 2048,
-         keep_tokens: int = 0, order: str = "backward") -> Schedule:
+         keep_tokens: int = 0, order: str = "backward", subtree_calls: bool = True) -> Schedule:
     """The traversal of the tokens with parents ``parent_T`` (see `_plan`); with ``needed_T`` (bool [T]:
     tokens whose hidden state a loss term reads) only over the `live_tokens`, e.g. never a leaf's last token."""
     parent_T = np.asarray(parent_T, dtype=np.int64)
     if needed_T is None:
-        return _plan(parent_T, block_size=block_size, keep_tokens=keep_tokens, order=order)
+        return _plan(parent_T, block_size=block_size, keep_tokens=keep_tokens, order=order,
+                     subtree_calls=subtree_calls)
     live_T = live_tokens(parent_T, np.asarray(needed_T, dtype=bool))
     index_L = np.flatnonzero(live_T)
     compact_T = np.cumsum(live_T) - 1
     parent_L = parent_T[index_L]
     parent_L = np.where(parent_L >= 0, compact_T[np.maximum(parent_L, 0)], -1)  # a live token's parent is live
-    sched = _plan(parent_L, block_size=block_size, keep_tokens=keep_tokens, order=order)
+    sched = _plan(parent_L, block_size=block_size, keep_tokens=keep_tokens, order=order, subtree_calls=subtree_calls)
     sched.steps = [dataclasses.replace(st, tokens_C=index_L[st.tokens_C]) for st in sched.steps]
     sched.n_pruned = int(parent_T.shape[0] - index_L.shape[0])
     return sched
 
 
-def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, order: str) -> Schedule:
+def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, order: str,
+          subtree_calls: bool = True) -> Schedule:
     """The traversal of a pack whose real tokens have parents ``parent_T`` (see the module doc).
 
     Per leaf of the order, with ``lp`` / ``ln`` its longest common prefix (tokens) with the previous / next
@@ -322,6 +333,12 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
        in calls of at most ``block_size`` tokens. The topmost call [s, n) is as large as the block allows,
        so that the fewest of the leaf's fresh tokens need an anchor; tokens [lp, s) not kept are anchored
        in step 1 (one no-grad call per leaf at most).
+
+    ``subtree_calls`` (default): a subtree of at most ``block_size`` tokens whose parent's subtree is larger
+    is not walked but popped whole in one call with its tree mask (after its path is anchored), and
+    consecutive such siblings share a call while they fit together: a GRPO group's samples, or the last
+    turns of a conversation, cost one call instead of one per leaf. The whole pack is one call if it
+    fits. Off: AReaL-DTA's walk, leaf by leaf.
     """
     parent_T = np.asarray(parent_T, dtype=np.int64)
     block = int(block_size) if block_size else 0
@@ -329,15 +346,23 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
         raise ValueError(f"block_size and keep_tokens must be >= 0, got {block_size} and {keep_tokens}")
     limit = block or max(int(parent_T.shape[0]), 1)
     nodes = tree_nodes(parent_T)
-    leaves = leaf_order(nodes, order)
+    n_leaves = sum(1 for c in nodes.children if not c)
     T = int(parent_T.shape[0])
-    if 0 < T <= limit:  # the whole tree fits one call: forward it as a tree, no path to walk
-        step = Step("grad", 0, np.arange(T, dtype=np.int64), kv_grad=False, subtree_end_C=subtree_ends(parent_T))
+    end_T = subtree_ends(parent_T)
+    if subtree_calls and 0 < T <= limit:  # the whole tree fits one call: forward it as a tree, no walk
+        step = Step("grad", 0, np.arange(T, dtype=np.int64), kv_grad=False, subtree_end_C=end_T, n_path=0)
         return Schedule(steps=[step], n_tokens=T, n_pruned=0, max_depth=int(nodes.depth_end_N.max()),
-                        n_leaves=len(leaves), block_size=block or None, keep_tokens=int(keep_tokens), order=order,
+                        n_leaves=n_leaves, block_size=block or None, keep_tokens=int(keep_tokens), order=order,
                         peak_graph_tokens=T)
     start, depth, depth_end = nodes.start_N.tolist(), nodes.depth_N.tolist(), nodes.depth_end_N.tolist()
     parent_N = nodes.parent_N.tolist()
+    # Subtrees that fit one call (the largest such under a parent that does not) are popped whole, with
+    # their tree mask, instead of leaf by leaf: their nodes are not walked (contracted into one "leaf").
+    size = (end_T[nodes.start_N] - nodes.start_N).tolist()  # tokens of each node's subtree
+    blob = [subtree_calls and size[v] <= limit and (parent_N[v] < 0 or size[parent_N[v]] > limit)
+            for v in range(len(size))]
+    contracted = dataclasses.replace(nodes, children=[[] if blob[v] else c for v, c in enumerate(nodes.children)])
+    leaves = leaf_order(contracted, order)
 
     def path_of(leaf: int) -> list[int]:
         path = []
@@ -360,14 +385,27 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
             a, b = max(lo, depth[n]), min(hi, depth_end[n])
             if a < b:
                 parts.append(np.arange(start[n] + a - depth[n], start[n] + b - depth[n], dtype=np.int64))
-        return np.concatenate(parts) if len(parts) != 1 else parts[0]
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    # Items of the walk: a leaf (its path), or consecutive sibling subtrees that fit one call together
+    # (the path above them; they read its rows and nobody reads theirs).
+    paths: list[list[int]] = []
+    groups: list[list[int]] = []  # per item: the subtrees it pops whole ([] for a leaf)
+    for leaf in leaves:
+        if blob[leaf] and groups and groups[-1] and parent_N[groups[-1][-1]] == parent_N[leaf] \
+                and sum(size[v] for v in groups[-1]) + size[leaf] <= limit:
+            groups[-1].append(leaf)
+        else:
+            paths.append(path_of(leaf)[:-1] if blob[leaf] else path_of(leaf))
+            groups.append([leaf] if blob[leaf] else [])
 
     steps: list[Step] = []
     kept: list[tuple[int, int]] = []  # kept pieces on the stack, ascending
     kept_alive = peak = 0
-    paths = [path_of(leaf) for leaf in leaves]
     for i, path in enumerate(paths):
-        n = depth_end[path[-1]]
+        n = depth_end[path[-1]] if path else 0
         lp = lcp(paths[i - 1], path) if i > 0 else 0
         ln = lcp(path, paths[i + 1]) if i + 1 < len(paths) else 0
         anchored_from = lp
@@ -384,11 +422,26 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
         top = releases[-1][1] if releases else ln
         fresh = max(lp, ln)  # [fresh, n): the leaf's own tokens, never forwarded yet
         pop = n - top
-        s = n - min(limit, max(n - fresh, -(-pop // -(-pop // limit))))
+        total = sum(size[v] for v in groups[i])
+        if groups[i]:  # whole subtrees below the path, with the path's pop range if it fits, else its fresh part
+            room = limit - total
+            s = n - min(room, pop if pop <= room else n - fresh)
+        else:
+            s = n - min(limit, max(n - fresh, -(-pop // -(-pop // limit))))
         if s > anchored_from:
             steps.append(Step("anchor", anchored_from, tokens(path, anchored_from, s), kv_grad=False))
         cached = max(lp, s)  # rows [0, cached) hold K/V now (s >= ln when ln > lp)
-        calls = [(s, n)] + _chunks_right_to_left(top, s, limit)
+        if groups[i]:  # one call: path tokens [s, n) (every later token of the call is below them), subtrees
+            ranges = [(start[v], start[v] + size[v]) for v in groups[i]]
+            offsets = (n - s + np.cumsum([0] + [b - a for a, b in ranges])).tolist()
+            tok = np.concatenate([tokens(path, s, n)] + [np.arange(a, b, dtype=np.int64) for a, b in ranges])
+            ends = np.concatenate([np.full(n - s, offsets[-1], dtype=np.int64)]
+                                  + [end_T[a:b] - a + o for (a, b), o in zip(ranges, offsets[:-1])])
+            steps.append(Step("grad", s, tok, kv_grad=s < cached, subtree_end_C=ends, n_path=n - s))
+            peak = max(peak, kept_alive + offsets[-1])
+            calls = _chunks_right_to_left(top, s, limit)
+        else:
+            calls = [(s, n)] + _chunks_right_to_left(top, s, limit)
         for a, b in calls:
             steps.append(Step("grad", a, tokens(path, a, b), kv_grad=a < cached))
             peak = max(peak, kept_alive + b - a)
@@ -405,7 +458,7 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
             peak = max(peak, kept_alive + y - x)
         kept = [(a, b) for a, b in kept if a < ln]
     return Schedule(steps=steps, n_tokens=int(parent_T.shape[0]), n_pruned=0, max_depth=max(depth_end, default=0),
-                    n_leaves=len(leaves), block_size=block or None, keep_tokens=int(keep_tokens), order=order,
+                    n_leaves=n_leaves, block_size=block or None, keep_tokens=int(keep_tokens), order=order,
                     peak_graph_tokens=peak)
 
 
@@ -549,7 +602,8 @@ class DfsMode(Mode):
     name = "dfs"
 
     def __init__(self, attention: str = "auto", *, chunk_rows: int = 4096, block_size: int | None = 2048,
-                 keep_tokens: int = 0, order: str = "backward", sft_fast_path: bool = True) -> None:
+                 keep_tokens: int = 0, order: str = "backward", sft_fast_path: bool = True,
+                 subtree_calls: bool = True) -> None:
         if attention == "sdpa":
             raise ConfigError("attention 'sdpa' runs independent causal sequences; dfs mode needs a tree kernel "
                               "(auto, reference, flex or triton) for its cached prefix")
@@ -564,6 +618,7 @@ class DfsMode(Mode):
         self.keep_tokens = keep_tokens
         self.order = order
         self.sft_fast_path = sft_fast_path
+        self.subtree_calls = subtree_calls
 
     def schedule(self, pack: Pack, rows: LossRows | None = None) -> Schedule:
         """The traversal of ``pack`` (numpy only; no model needed). With ``rows``, subtrees whose tokens no
@@ -571,7 +626,7 @@ class DfsMode(Mode):
         needed_T = None if rows is None else needed_tokens(pack, rows)
         try:
             return plan(np.asarray(pack.parent[: pack.n_real]), needed_T=needed_T, block_size=self.block_size,
-                        keep_tokens=self.keep_tokens, order=self.order)
+                        keep_tokens=self.keep_tokens, order=self.order, subtree_calls=self.subtree_calls)
         except ValueError as exc:
             raise LayoutError(f"dfs: {exc}") from None
 
@@ -741,7 +796,8 @@ class _Traversal:
             outs.append(loss)
             grads.append(None)
         if step.kv_grad:
-            kv_outs, kv_grads = self.cache.outputs_and_grads(step.lo, kv)
+            rows = step.path_rows
+            kv_outs, kv_grads = self.cache.outputs_and_grads(step.lo, [(k_[:rows], v_[:rows]) for k_, v_ in kv])
             outs += kv_outs
             grads += kv_grads
         if outs:
@@ -749,7 +805,7 @@ class _Traversal:
                 torch.autograd.backward(outs, grads)
             self.work["backward_tokens"] += step.n
         if step.kv_grad:
-            self.cache.clear(step.lo, step.hi)
+            self.cache.clear(step.lo, step.lo + step.path_rows)
 
 
 WORK_SUMS = ("grad_tokens", "anchor_tokens", "backward_tokens", "pruned_tokens", "model_calls", "leaves")

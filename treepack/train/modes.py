@@ -155,13 +155,14 @@ class TreeMode(Mode):
 
 def make_mode(name: str, *, attention: str | None = None, chunk_rows: int = 4096,
               sft_fast_path: bool = True, dfs_block_size: int | None = 2048, dfs_keep_tokens: int = 0,
-              dfs_order: str = "backward") -> Mode:
+              dfs_order: str = "backward", dfs_subtree_calls: bool = True) -> Mode:
     """A mode by name; ``attention`` None picks its default (dense: sdpa, tree and dfs: auto)."""
     if name == "dfs":
         from treepack.train.dfs import DfsMode
 
         return DfsMode(attention or "auto", chunk_rows=chunk_rows, block_size=dfs_block_size,
-                       keep_tokens=dfs_keep_tokens, order=dfs_order, sft_fast_path=sft_fast_path)
+                       keep_tokens=dfs_keep_tokens, order=dfs_order, sft_fast_path=sft_fast_path,
+                       subtree_calls=dfs_subtree_calls)
     if name == "dense":
         return DenseMode(attention or "sdpa", chunk_rows=chunk_rows)
     if name == "tree":
