@@ -54,8 +54,9 @@ Chains with long private tails (tau-bench: one trajectory per task) pay for a sm
 leaves on a long shared trunk (dropped reasoning) pay for anchoring the trunk unless it is kept. Each step
 is a full model call, so its host-side cost matters too: ~40-60 ms per call of kernel launches for
 Qwen3-0.6B (28 layers, compiled elementwise regions), which a call of a few thousand tokens does not
-hide. On an H200 a tau-bench step took 1.48 s at B=8192 (12 calls) against 1.28 s for tree mode in 3
-packs, at 16 GiB instead of 43 GiB.
+hide. On an H200 a tau-bench step took 1.33 s at B=8192 (11 calls) against 1.21 s for tree mode in 3
+packs, at 17 GiB instead of 43 GiB; subtree calls took synthetic tau2 (2 tasks) from 18 calls / 2.47 s
+to 15 / 1.62 s.
 Prefer the largest block the memory allows (benchmarks/results/2026-11-21-dfs.md).
 
 Legend: T pack tokens, C tokens of a step, X targets of a step, U target tokens of the pack, R loss
