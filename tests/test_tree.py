@@ -1,12 +1,16 @@
 """PrefixTree against the naive dict trie: every array, on random forests."""
 
+import itertools
+
 import numpy as np
-from hypothesis import given, settings
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import treepack.tree as tree_module
 from oracle import NaiveTrie
 from strategies import rollouts_from, sequence_lists
-from treepack.tree import PrefixTree, adjacent_lcp, lexicographic_order
+from treepack.tree import PrefixTree, adjacent_lcp, lexicographic_order, sorted_with_lcp
 
 
 def build(seqs, scopes=None):
@@ -42,11 +46,54 @@ def test_adjacent_lcp_matches_python(seqs):
     cap = np.minimum(r.lengths[a], r.lengths[b])
     got = adjacent_lcp(r.tokens, r.offsets[a], r.offsets[b], cap)
     for (i, j), g in zip(zip(a, b), got):
-        x, y = seqs[i], seqs[j]
-        k = 0
-        while k < min(len(x), len(y)) and x[k] == y[k]:
-            k += 1
-        assert g == k
+        assert g == python_lcp(seqs[i], seqs[j])
+
+
+def python_lcp(x, y):
+    k = 0
+    while k < min(len(x), len(y)) and x[k] == y[k]:
+        k += 1
+    return k
+
+
+def check_sorted_with_lcp(seqs, scopes=None):
+    """order and lcp against Python's stable sort of (scope, token list) and a token-by-token LCP."""
+    r = rollouts_from(seqs)
+    order, lcp = sorted_with_lcp(r.tokens, r.offsets, None if scopes is None else np.asarray(scopes))
+    sc = scopes if scopes is not None else [0] * len(seqs)
+    assert order.tolist() == sorted(range(len(seqs)), key=lambda i: (sc[i], seqs[i]))
+    want = [0] + [python_lcp(seqs[i], seqs[j]) if sc[i] == sc[j] else 0 for i, j in itertools.pairwise(order)]
+    assert lcp.tolist() == want[: len(seqs)]
+
+
+@pytest.mark.parametrize("packed_key_limit", [2**62, 0])  # 0: the unpacked (group, class) sort keys
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seqs=sequence_lists(max_seqs=16, max_len=12, vocab=3), data=st.data())
+def test_sorted_with_lcp_matches_python_sorted(monkeypatch, packed_key_limit, seqs, data):
+    monkeypatch.setattr(tree_module, "_PACKED_KEY_LIMIT", packed_key_limit)
+    # scope codes past 255 and 65535: their order is numeric, not that of their bytes
+    scopes = data.draw(st.none() | st.lists(st.sampled_from([0, 1, 255, 256, 70000]), min_size=len(seqs), max_size=len(seqs)))
+    check_sorted_with_lcp(seqs, scopes)
+
+
+@pytest.mark.parametrize("window_max, chunk", [(1 << 16, 1 << 21), (32, 64)])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # same patch for all
+@given(data=st.data())
+def test_sorted_with_lcp_long_shared_prefixes(monkeypatch, window_max, chunk, data):
+    """Prefixes of thousands of tokens: galloping windows, their cap, chunking and the buffer's end."""
+    monkeypatch.setattr(tree_module, "_WINDOW_MAX", window_max)
+    monkeypatch.setattr(tree_module, "_LCP_CHUNK", chunk)
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 3, 3000).tolist()
+    seqs = []
+    for _ in range(data.draw(st.integers(2, 12))):
+        cut = int(rng.integers(0, len(base) + 1))
+        tail = rng.integers(0, 3, int(rng.integers(0 if cut else 1, 40))).tolist()
+        seqs.append(base[:cut] + tail)
+    seqs.append(list(base))  # the longest (a pivot) last in the buffer: its windows reach the end
+    seqs = [s for s in seqs if s] or [[0]]
+    check_sorted_with_lcp(seqs)
 
 
 def test_order_is_lexicographic_with_prefix_first():

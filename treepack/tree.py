@@ -12,9 +12,10 @@ sequences (which is a DFS leaf order of the trie, with a prefix-of-another befor
    stack, and each run of depths sharing one record is one compressed node;
 3. the parent of a suffix's first token is the token at depth ``lcp_i - 1`` of the closest earlier
    sequence whose own suffix starts at or above that depth (a previous-smaller-value query).
-Cost: one sort of n byte strings (memcmp; the Python key objects hold a big-endian copy of the tokens),
-LCPs by galloping vectorised comparison (work ~ 2 x sum(lcp) + 16 n), and two O(n) stack passes over
-sequences, not tokens. Token-level arrays (M entries) are materialised only on request.
+Cost: one sort that yields the order and the adjacent LCPs together (``sorted_with_lcp``: rounds of
+vectorised comparisons against pivots, work ~ 1.5-2 x sum(lcp) tokens + 64 n, no copy of the tokens),
+and two O(n) stack passes over sequences, not tokens. Token-level arrays (M entries) are materialised
+only on request.
 
 Scopes: sharing never crosses a scope (a ``step`` of training, or a ``tree_id`` group with
 ``group_by="tree_id"``); each scope is its own forest inside one PrefixTree.
@@ -26,14 +27,17 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from treepack.errors import InputError
 from treepack.rollouts import Rollouts, _ranges
 
 SCOPES = ("none", "tree_id", "step")
-_KEY_CHUNK = 1 << 22  # tokens converted to big-endian bytes at a time (bounds the temporary copy)
-_LCP_CHUNK = 1 << 22  # compared tokens per vectorised LCP slice (bounds the index temporaries)
-_GALLOP_MAX = 256  # widest vectorised LCP window; longer common prefixes are finished pair by pair
+_LCP_CHUNK = 1 << 17  # tokens per LCP slice: its 512 KB window copies stay in cache (8 MB: 1.4x slower)
+_WINDOW_MIN = 64  # first LCP window (tokens), doubled while a pair stays equal (16 and 32 were no faster)
+_WINDOW_MAX = 1 << 16  # widest LCP window (tokens); longer common prefixes take several
+_ENDED = np.iinfo(np.int64).min  # the "token" after a sequence's end: below every token
+_PACKED_KEY_LIMIT = 2**62  # (group, class) is sorted as one int64 key while it stays below this
 
 
 def scope_codes(r: Rollouts, group_by: str | None = None) -> tuple[np.ndarray | None, list | None]:
@@ -63,72 +67,160 @@ def scope_codes(r: Rollouts, group_by: str | None = None) -> tuple[np.ndarray | 
 
 def lexicographic_order(tokens: np.ndarray, offsets: np.ndarray, scope: np.ndarray | None = None) -> np.ndarray:
     """Indices of the sequences sorted by (scope, tokens), shorter first on a tie (prefix before extension)."""
+    return sorted_with_lcp(tokens, offsets, scope)[0]
+
+
+def sorted_with_lcp(
+    tokens: np.ndarray, offsets: np.ndarray, scope: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(order, lcp): sequences sorted by (scope, tokens) and each one's LCP with its predecessor.
+
+    The order is lexicographic with a proper prefix before its extensions and equal sequences in input
+    order; ``lcp[i]`` is the common prefix of ``order[i]`` and ``order[i-1]`` (0 at a scope start).
+    A multikey quicksort that never copies the tokens: every group of sequences still tied on their first
+    d tokens is split in one vectorised round against a pivot (its longest member). Each member's LCP h
+    with the pivot, found by ``adjacent_lcp`` from depth d, places it: members below the pivot by
+    ascending h, then the pivot and its duplicates, then members above it by descending h, ties on h by
+    their token at h. Neighbours in different classes have LCP min(h, h'); a class that agrees on its
+    token at h is the next round's group at depth h + 1. Each token is thus compared about once (twice
+    with galloping), and the adjacent LCPs come out of the sort instead of a second pass.
+    """
+    tokens = np.asarray(tokens)
+    offsets = np.asarray(offsets, dtype=np.int64)
     n = len(offsets) - 1
+    lcp = np.zeros(max(n, 0), dtype=np.int64)
     if n <= 1:
-        return np.arange(n, dtype=np.int64)
-    keys: list[bytes] = [b""] * n
-    head = None if scope is None else scope.astype(">u8")
-    i = 0
-    while i < n:
-        j = int(np.searchsorted(offsets, offsets[i] + _KEY_CHUNK, side="right")) - 1
-        j = max(j, i + 1)
-        base = int(offsets[i])
-        buf = tokens[base : int(offsets[j])].astype(">u4").tobytes()
-        for s in range(i, j):
-            a, b = (int(offsets[s]) - base) * 4, (int(offsets[s + 1]) - base) * 4
-            keys[s] = buf[a:b] if head is None else head[s].tobytes() + buf[a:b]
-        i = j
-    order = sorted(range(n), key=keys.__getitem__)
-    return np.asarray(order, dtype=np.int64)
+        return np.arange(n, dtype=np.int64), lcp
+    starts = offsets[:-1]
+    lens = np.diff(offsets)
+    if scope is None:
+        order = np.arange(n, dtype=np.int64)
+        head = np.zeros(n, dtype=bool)
+        head[0] = True
+    else:
+        scope = np.asarray(scope)
+        order = np.argsort(scope, kind="stable").astype(np.int64)
+        sorted_scope = scope[order]
+        head = np.empty(n, dtype=bool)
+        head[0] = True
+        np.not_equal(sorted_scope[1:], sorted_scope[:-1], out=head[1:])
+    # the tied members: slot in ``order``, sequence, tied depth; ``head`` marks the first of each group
+    slot = np.arange(n, dtype=np.int64)
+    seq = order.copy()
+    depth = np.zeros(n, dtype=np.int64)
+    keep = _in_groups_of_two_or_more(head)
+    slot, seq, depth, head = slot[keep], seq[keep], depth[keep], head[keep]
+    while len(slot):
+        group = np.cumsum(head) - 1
+        length = lens[seq]
+        longest = np.maximum.reduceat(length, np.flatnonzero(head))
+        candidates = np.flatnonzero(length == longest[group])
+        first_of_group = np.ones(len(candidates), dtype=bool)
+        first_of_group[1:] = group[candidates[1:]] != group[candidates[:-1]]
+        pivot_member = candidates[first_of_group]
+        pivot = seq[pivot_member][group]
+        pivot_len = lens[pivot]
+        room = np.minimum(length, pivot_len) - depth
+        room[pivot_member] = 0  # the pivot against itself: known, and the longest comparison of all
+        h = depth + adjacent_lcp(tokens, starts[seq] + depth, starts[pivot] + depth, room)
+        h[pivot_member] = pivot_len[pivot_member]
+        mine = _token_at(tokens, starts[seq], length, h)
+        theirs = _token_at(tokens, starts[pivot], pivot_len, h)
+        code = _class_code(h, mine, theirs)
+        width = 2 * int(h.max()) + 3  # codes are in [0, width)
+        if (int(group[-1]) + 1) * width < _PACKED_KEY_LIMIT:
+            rank = np.lexsort((mine, group * width + code))  # one key for (group, code): half the passes
+        else:
+            rank = np.lexsort((mine, code, group))
+        seq, h, mine, group = seq[rank], h[rank], mine[rank], group[rank]
+        order[slot] = seq
+        same_group = group[1:] == group[:-1]
+        same_class = np.zeros(len(seq), dtype=bool)
+        same_class[1:] = same_group & (h[1:] == h[:-1]) & (mine[1:] == mine[:-1])
+        between = np.flatnonzero(same_group & ~same_class[1:]) + 1
+        lcp[slot[between]] = np.minimum(h[between - 1], h[between])
+        ended = mine == _ENDED
+        duplicate = same_class & ended
+        lcp[slot[duplicate]] = h[duplicate]
+        head = ~same_class
+        keep = _in_groups_of_two_or_more(head) & ~ended
+        slot, seq, depth, head = slot[keep], seq[keep], h[keep] + 1, head[keep]
+    return order, lcp
+
+
+def _class_code(h: np.ndarray, mine: np.ndarray, theirs: np.ndarray) -> np.ndarray:
+    """Order of each member's class against its pivot: below it by ascending h, then the pivot and its
+    duplicates, then above it by descending h (``mine``/``theirs``: the two tokens at h)."""
+    top = int(h.max()) + 1
+    return np.where(mine < theirs, h, np.where(mine == theirs, top, 2 * top - h))
+
+
+def _in_groups_of_two_or_more(head: np.ndarray) -> np.ndarray:
+    """bool mask of the members whose group (a run starting at a ``head``) has at least two members."""
+    group = np.cumsum(head) - 1
+    return np.bincount(group)[group] >= 2
+
+
+def _token_at(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """int64 token at ``depth`` of each sequence, ``_ENDED`` (below every token) where it has ended."""
+    out = np.full(len(starts), _ENDED, dtype=np.int64)
+    inside = depth < lengths
+    out[inside] = tokens[starts[inside] + depth[inside]]
+    return out
 
 
 def adjacent_lcp(tokens: np.ndarray, starts_a: np.ndarray, starts_b: np.ndarray, max_len: np.ndarray) -> np.ndarray:
     """LCP of ``tokens[starts_a[p]:]`` and ``tokens[starts_b[p]:]`` capped at ``max_len[p]``, for all pairs p.
 
-    Two phases. Galloping first: compare a window of 16 tokens of every pair at once (gathered indices),
-    keep the pairs that matched the whole window and double it, up to ``_GALLOP_MAX``; most pairs end here
-    (work ~2x their LCP + 16). The pairs still equal share long prefixes (system prompts, conversation
-    histories): for them gathered indices would cost ~10 ns a token, so each is finished by comparing
-    contiguous slices in doubling blocks (~1 ns a token plus a few microseconds a pair). On the real
-    tau-bench file (6.1M shared tokens over 1,786 pairs) this took LCPs from 110 ms to 18 ms.
+    Galloping: compare a window of every pair still equal at once, doubling it each round (``_WINDOW_MIN``
+    tokens up to ``_WINDOW_MAX``), so the work is ~2x the LCP plus 64 tokens a pair. Windows are rows of a
+    sliding-window view of the token buffer: gathering a whole row is one contiguous copy (~1.5 ns a token
+    from 256 tokens on) where per-token gathered indices cost ~10 ns; rows are taken ``_LCP_CHUNK`` tokens
+    at a time so that the copies stay in cache. Pairs whose window would run past the end of the buffer
+    (the last sequences) compare only what they have left, by gathered indices.
     """
-    m = len(max_len)
-    lcp = np.zeros(m, dtype=np.int64)
-    pos = np.zeros(m, dtype=np.int64)
+    tokens = np.asarray(tokens)
+    starts_a = np.asarray(starts_a, dtype=np.int64)
+    starts_b = np.asarray(starts_b, dtype=np.int64)
+    max_len = np.asarray(max_len, dtype=np.int64)
+    lcp = np.zeros(len(max_len), dtype=np.int64)
     active = np.flatnonzero(max_len > 0)
-    window = 16
-    while len(active) and window <= _GALLOP_MAX:
-        w_all = np.minimum(window, max_len[active] - pos[active])
-        bounds = np.searchsorted(np.cumsum(w_all), np.arange(_LCP_CHUNK, int(w_all.sum()), _LCP_CHUNK))
-        still = []
-        for part, w in zip(np.split(active, bounds), np.split(w_all, bounds)):
-            if not len(part):
-                continue
-            ia = _ranges(starts_a[part] + pos[part], w)
-            ib = _ranges(starts_b[part] + pos[part], w)
-            seg = np.cumsum(w) - w
-            local = np.arange(len(ia), dtype=np.int64) - np.repeat(seg, w)
-            cand = np.where(tokens[ia] != tokens[ib], local, np.repeat(w, w))
-            first = np.minimum.reduceat(cand, seg)
-            lcp[part] += first
-            pos[part] += w
-            still.append(part[(first == w) & (pos[part] < max_len[part])])
-        active = np.concatenate(still) if still else active[:0]
-        window *= 2
-    for p in active.tolist():
-        a, b, at, end = int(starts_a[p]), int(starts_b[p]), int(pos[p]), int(max_len[p])
-        block = 4096
-        while at < end:
-            stop = min(end, at + block)
-            neq = tokens[a + at : a + stop] != tokens[b + at : b + stop]
-            k = int(neq.argmax())
-            if neq[k]:
-                at += k
-                break
-            at = stop
-            block *= 2
-        lcp[p] = at
+    n_tokens = len(tokens)
+    window = _WINDOW_MIN
+    while len(active):
+        w = min(window, n_tokens)
+        a = starts_a[active] + lcp[active]
+        b = starts_b[active] + lcp[active]
+        room = max_len[active] - lcp[active]
+        first = np.empty(len(active), dtype=np.int64)
+        fits = np.maximum(a, b) + w <= n_tokens
+        rows = np.flatnonzero(fits)
+        if len(rows):
+            # row i is tokens[i : i + w] (sliding_window_view without its ~17 us of checks per call)
+            view = as_strided(tokens, (n_tokens - w + 1, w), (tokens.strides[0],) * 2, writeable=False)
+            step = max(1, _LCP_CHUNK // w)
+            for lo in range(0, len(rows), step):
+                part = rows[lo : lo + step]
+                differs = view[a[part]] != view[b[part]]
+                at = differs.argmax(axis=1)
+                at[~differs[np.arange(len(part)), at]] = w
+                first[part] = at
+        tail = np.flatnonzero(~fits)
+        if len(tail):
+            first[tail] = _first_difference(tokens, a[tail], b[tail], np.minimum(room[tail], w))
+        np.minimum(first, room, out=first)
+        lcp[active] += first
+        active = active[(first == w) & (room > w)]
+        window = min(2 * window, _WINDOW_MAX)
     return lcp
+
+
+def _first_difference(tokens: np.ndarray, a: np.ndarray, b: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """Index of the first difference of ``tokens[a:a+width]`` and ``tokens[b:b+width]`` (width if none)."""
+    seg = np.cumsum(width) - width  # every width is >= 1
+    local = np.arange(int(width.sum()), dtype=np.int64) - np.repeat(seg, width)
+    differs = tokens[_ranges(a, width)] != tokens[_ranges(b, width)]
+    return np.minimum.reduceat(np.where(differs, local, np.repeat(width, width)), seg)
 
 
 @dataclass
@@ -175,16 +267,9 @@ class PrefixTree:
         tokens = np.asarray(tokens)
         offsets = np.asarray(offsets, dtype=np.int64)
         n = len(offsets) - 1
-        order = lexicographic_order(tokens, offsets, scope)
-        lens_in = np.diff(offsets)
-        lengths = lens_in[order]
-        starts = offsets[:-1][order]
+        order, lcp = sorted_with_lcp(tokens, offsets, scope)
+        lengths = np.diff(offsets)[order]
         sc = np.zeros(n, dtype=np.int64) if scope is None else np.asarray(scope, dtype=np.int64)[order]
-        lcp = np.zeros(n, dtype=np.int64)
-        if n > 1:
-            same = sc[1:] == sc[:-1]
-            cap = np.where(same, np.minimum(lengths[1:], lengths[:-1]), 0)
-            lcp[1:] = adjacent_lcp(tokens, starts[:-1], starts[1:], cap)
         seg_len = lengths - lcp
         seg_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(seg_len, out=seg_start[1:])
