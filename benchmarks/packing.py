@@ -122,7 +122,7 @@ def small_tree_gaps(r, capacity: int = 8000, per_tree: int = 12, trees: int = 20
 def random_tree_gaps(trials: int = 300, seed: int = 0) -> dict:
     """best (without its exact step) vs optimal on random small tries: 6-16 sequences of <= 12 tokens over 3
     token values (deep sharing, many branch points), capacity uniform in [longest, 0.7 N_tree]."""
-    import treepack.packing as packing
+    from treepack import packing
     from treepack.rollouts import Rollouts
 
     rng = np.random.default_rng(seed)
@@ -237,19 +237,19 @@ def main() -> None:
         "",
         f"- hardware: {cpu_model()}, 2 cores (single-threaded Python + numpy)",
         f"- versions: {versions}",
-        f"- command: `python benchmarks/packing.py{' --real ' + str(args.real) if args.real != DEFAULT_REAL else ''}"
+        (f"- command: `python benchmarks/packing.py{' --real ' + str(args.real) if args.real != DEFAULT_REAL else ''}"
         f"{' --big-tokens ' + args.big_tokens if args.big_tokens != '100M' else ''}` (`make bench-packing`), "
-        f"{time.perf_counter() - started:.0f} s in all",
-        "- data: `treepack synth` kinds (seed 0) and the real rollouts in the data directory "
-        "(tau-bench retail, ToolBench DFS, GSM8K, hh-rlhf; Qwen3-tokenized, see its SOURCES.md)",
-        "- ERR = 1 - N_pack / N_flat (higher is better); cells are `ERR (packs, seconds)`; POR = 1 - N_tree / N_flat is "
+        f"{time.perf_counter() - started:.0f} s in all"),
+        ("- data: `treepack synth` kinds (seed 0) and the real rollouts in the data directory "
+        "(tau-bench retail, ToolBench DFS, GSM8K, hh-rlhf; Qwen3-tokenized, see its SOURCES.md)"),
+        ("- ERR = 1 - N_pack / N_flat (higher is better); cells are `ERR (packs, seconds)`; POR = 1 - N_tree / N_flat is "
         "the ceiling; `bound` = 1 - LB / N_flat with LB = sum over nodes of len x ceil(subtree / (C - depth)), "
-        "a looser ceiling that accounts for the capacity. Sequences longer than C are skipped (`skip`).",
+        "a looser ceiling that accounts for the capacity. Sequences longer than C are skipped (`skip`)."),
         "",
         "## 1. ERR by strategy",
         "",
-        "| data | tokens | order | C | skip | POR | bound | best | first-fit (AReaL) | dfs (Tree Training) "
-        "| optimal | best - first-fit |",
+        ("| data | tokens | order | C | skip | POR | bound | best | first-fit (AReaL) | dfs (Tree Training) "
+        "| optimal | best - first-fit |"),
         "|---|---:|---|---:|---:|---:|---:|---|---|---|---|---:|",
     ]
     wins = ties = 0
@@ -266,15 +266,15 @@ def main() -> None:
     never_worse = all(r[4]["best"][0] >= max(r[4][s][0] for s in ("first-fit", "dfs")) - 1e-12 for r in rows)
     lines += [
         "",
-        f"`best` >= first-fit and dfs in all {len(rows)} rows: {'yes' if never_worse else 'NO'}; "
-        f"strictly above first-fit in {wins}, equal in {ties}.",
+        (f"`best` >= first-fit and dfs in all {len(rows)} rows: {'yes' if never_worse else 'NO'}; "
+        f"strictly above first-fit in {wins}, equal in {ties}."),
         "",
         "## 2. best vs the exact DP on small trees (one tree_id, <= 12 sequences, C = 8k)",
         "",
-        "Gap = N_pack(best) / N_pack(optimal) - 1. `best` runs the exact DP itself on steps of <= 20 sequences "
+        ("Gap = N_pack(best) / N_pack(optimal) - 1. `best` runs the exact DP itself on steps of <= 20 sequences "
         "when it finishes within a small budget, so the column that matters is the one without that step "
         "(cuts, bottom-up, first-fit, dfs and the beam DP only). Trees where `optimal` exceeds its budget "
-        "(mostly stars of many same-length leaves: bin packing) are counted as refused.",
+        "(mostly stars of many same-length leaves: bin packing) are counted as refused."),
         "",
         "| data | trees | best: mean / worst gap | without its exact step: mean / worst gap | refused |",
         "|---|---:|---:|---:|---:|",
@@ -288,10 +288,10 @@ def main() -> None:
             lines.append(f"| {name} | 0 | - | - | {res['refused']} |")
     lines += [
         "",
-        f"Random small tries ({rand['trials']} trials: 6-16 sequences of <= 12 tokens over 3 token values, capacity "
+        (f"Random small tries ({rand['trials']} trials: 6-16 sequences of <= 12 tokens over 3 token values, capacity "
         f"uniform in [longest, 0.7 N_tree]), `best` without its exact step vs `optimal`: mean gap "
         f"{rand['mean']:.4%}, worst {rand['worst']:.2%}; equal to the optimum in {rand['exact']:.1%} of the trials, "
-        f"within 1% in {rand['within_1pct']:.1%}.",
+        f"within 1% in {rand['within_1pct']:.1%}."),
     ]
     if big:
         lines += [

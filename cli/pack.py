@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -58,18 +57,18 @@ def report_oversize(r: Rollouts, p: Packing) -> None:
 
 @handle_errors
 def pack(
-    files: List[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
+    files: list[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
     capacity: str = typer.Option(..., "--capacity", "-c", help="Max tokens per pack: 60k (=60,000), 64K (=65,536), 1M or an integer."),
     output: str = typer.Option(..., "--output", "-o", help="Output directory for the shards and manifest.json."),
     strategy: str = typer.Option("best", "--strategy", help=f"Packing strategy: {', '.join(STRATEGIES)}."),
-    pad_to: Optional[int] = typer.Option(None, "--pad-to", help="Pad each pack to a multiple of this (e.g. 128 for block masks); packs then hold at most capacity rounded down to it."),
+    pad_to: int | None = typer.Option(None, "--pad-to", help="Pad each pack to a multiple of this (e.g. 128 for block masks); packs then hold at most capacity rounded down to it."),
     shard_size: str = typer.Option(DEFAULT_SHARD_SIZE, "--shard-size", help="Cut shards by size (256M: uncompressed bytes, files come out smaller) or count (1000packs)."),
-    balance: Optional[int] = typer.Option(None, "--balance", help="Assign packs to K data-parallel ranks: contiguous runs per step minimising the max cost."),
+    balance: int | None = typer.Option(None, "--balance", help="Assign packs to K data-parallel ranks: contiguous runs per step minimising the max cost."),
     balance_cost: str = typer.Option("tokens", "--balance-cost", help=f"Cost balanced by --balance: {', '.join(BALANCE_COSTS)}."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help=f"Model shape for --balance-cost flops: {', '.join(MODEL_SHAPES)}."),
     oversize: str = typer.Option("error", "--oversize", help="A sequence longer than the capacity: error (default) or skip (drop and count)."),
     group_by: str = typer.Option("none", "--group-by", help="Sharing scope: none (whole input) or tree_id."),
-    tokens_field: Optional[str] = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
+    tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ) -> None:

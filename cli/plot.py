@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-
 from treepack.cli.common import console, err_console, handle_errors
 from treepack.cli.pack import report_oversize, size_option
 from treepack.cli.stats import load_with_progress
+
 from treepack.errors import InputError
-from treepack.packing import OVERSIZE, STRATEGIES, pack_sequences
 from treepack.figure_options import DEFAULT_DPI, FORMATS, KINDS, MAX_TREE_NODES
+from treepack.packing import OVERSIZE, STRATEGIES, pack_sequences
 from treepack.tree import PrefixTree
 
 

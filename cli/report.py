@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-
 from treepack.cli.common import console, handle_errors
 from treepack.cli.pack import size_option
 from treepack.cli.stats import load_with_progress
+
 from treepack.errors import InputError
-from treepack.packing import OVERSIZE
 from treepack.figure_options import DEFAULT_DPI, REPORT_DPI
 from treepack.figure_options import REPORT_CAPACITY as DEFAULT_CAPACITY
+from treepack.packing import OVERSIZE
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-
 from treepack.cli.common import console, err_console, handle_errors
+
 from treepack.errors import InputError, TreepackError
 from treepack.packing import OVERSIZE, STRATEGIES, pack_sequences
 from treepack.packing import compare_strategies as compare_strategies_of
@@ -95,22 +94,22 @@ def render_strategies(strategies: dict, st: TreeStats) -> None:
 
 @handle_errors
 def stats(
-    files: List[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
-    tokens_field: Optional[str] = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
+    files: list[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
+    tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
     group_by: str = typer.Option("none", "--group-by", help="Sharing scope: none (whole input) or tree_id."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help=f"Model shape for the FLOP model: {', '.join(MODEL_SHAPES)}."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     top: int = typer.Option(10, "--top", help="Scopes shown in the per-scope summary."),
-    min_compression: Optional[float] = typer.Option(None, "--min-compression", help="Gate: fail below this C."),
-    min_por: Optional[float] = typer.Option(None, "--min-por", help="Gate: fail below this POR."),
-    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Gate: fail if a sequence is longer."),
-    capacity: Optional[str] = typer.Option(None, "--capacity", help="Also pack at this capacity (60k, 64K, 1M or tokens): packs, N_pack, ERR."),
+    min_compression: float | None = typer.Option(None, "--min-compression", help="Gate: fail below this C."),
+    min_por: float | None = typer.Option(None, "--min-por", help="Gate: fail below this POR."),
+    max_seq_len: int | None = typer.Option(None, "--max-seq-len", help="Gate: fail if a sequence is longer."),
+    capacity: str | None = typer.Option(None, "--capacity", help="Also pack at this capacity (60k, 64K, 1M or tokens): packs, N_pack, ERR."),
     strategy: str = typer.Option("best", "--strategy", help=f"Packing strategy for --capacity: {', '.join(STRATEGIES)}."),
-    min_err: Optional[float] = typer.Option(None, "--min-err", help="Gate: fail below this ERR (needs --capacity)."),
+    min_err: float | None = typer.Option(None, "--min-err", help="Gate: fail below this ERR (needs --capacity)."),
     compare_strategies: bool = typer.Option(False, "--compare-strategies", help="With --capacity: ERR, packs and time of every strategy side by side."),
     oversize: str = typer.Option("error", "--oversize", help="With --capacity, a sequence longer than it: error or skip."),
-    plot_dir: Optional[Path] = typer.Option(None, "--plot", help="Also write the figures (tree, active, hist, packs) as PNGs into this directory."),
+    plot_dir: Path | None = typer.Option(None, "--plot", help="Also write the figures (tree, active, hist, packs) as PNGs into this directory."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Compression rate C, POR, C_leaf, C_attn and the shape of the prefix trees; exit 1 if a gate fails."""

@@ -11,9 +11,9 @@ from enum import Enum
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
 from treepack.cli.common import err_console, handle_errors
 from treepack.datasets import synth as lib
+
 from treepack.sizes import parse_size
 
 

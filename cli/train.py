@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import typer
-
 from treepack.cli.common import console, handle_errors
 
 

@@ -9,8 +9,8 @@ import typer
 from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
 from treepack.cli.common import console, err_console, handle_errors
+
 from treepack.errors import TreepackError
 from treepack.sizes import parse_size
 

@@ -58,9 +58,9 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-
 from treepack.datasets.vocab import QWEN3_VOCAB, Vocab
 from treepack.datasets.writer import RolloutWriter
+
 from treepack.errors import ConfigError
 
 KINDS = ("tau2", "grpo-math", "agentic-think", "low-overlap")

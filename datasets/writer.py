@@ -28,6 +28,7 @@ from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from typing_extensions import Self
 
 from treepack.errors import TreepackError
 
@@ -75,7 +76,7 @@ class RolloutWriter:
                 self._tmp, schema, compression="zstd", use_dictionary=False, write_statistics=scalars
             )
         else:
-            self._raw = open(self._tmp, "wb")
+            self._raw = open(self._tmp, "wb")  # noqa: SIM115 - closed by close(), the writer is a context manager
             self._stream = self._raw
             if self.format == "jsonl.gz":
                 self._stream = gzip.GzipFile(  # type: ignore[assignment]
@@ -115,7 +116,7 @@ class RolloutWriter:
                 os.unlink(self._tmp)
             self._tmp = None
 
-    def __enter__(self) -> RolloutWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

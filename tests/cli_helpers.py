@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typer.testing import CliRunner
-
 from treepack.cli.app import app
+from typer.testing import CliRunner
 
 
 @dataclass

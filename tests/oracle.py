@@ -81,7 +81,7 @@ class NaiveTrie:
 
     def n_nodes(self):
         """Compressed nodes: maximal chains whose tokens have one child and no sequence ends inside."""
-        ends_here = set(p[-1] for p in self.paths)
+        ends_here = {p[-1] for p in self.paths}
         n = 0
         for t in range(len(self.ids)):
             par = self.parent[t]

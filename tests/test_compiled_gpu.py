@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from test_equivalence import make_pack, random_sequences
+
 from treepack.train.losses import BatchTotals, LossRows, Objective, target_logprobs
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import make_mode

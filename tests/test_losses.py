@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from strategies import rollouts_from
+
 from treepack.errors import ConfigError, TreepackError
 from treepack.layout import build_pack
 from treepack.train.losses import (

@@ -61,14 +61,14 @@ def test_oversize_skip_counts_and_reports(small, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--capacity", "6x"], "Invalid value for --capacity: invalid capacity '6x': expected an integer or a number "
-                           "with k/K/M/G, e.g. 60k"),
+    (["--capacity", "6x"], ("Invalid value for --capacity: invalid capacity '6x': expected an integer or a number "
+                           "with k/K/M/G, e.g. 60k")),
     (["--capacity", "0"], "Invalid value for --capacity: invalid capacity '0': must be positive"),
     (["--capacity", "8", "--strategy", "greedy"],
      "Invalid value for --strategy: must be one of best, first-fit, dfs, optimal, got 'greedy'"),
     (["--capacity", "8", "--oversize", "drop"], "Invalid value for --oversize: must be one of error, skip, got 'drop'"),
-    (["--capacity", "8", "--shard-size", "big"], "Invalid value for --shard-size: invalid shard size 'big': expected "
-                                                 "bytes (e.g. 256M) or a number of packs (e.g. 1000packs)"),
+    (["--capacity", "8", "--shard-size", "big"], ("Invalid value for --shard-size: invalid shard size 'big': expected "
+                                                 "bytes (e.g. 256M) or a number of packs (e.g. 1000packs)")),
     (["--capacity", "8", "--pad-to", "16"], "Invalid value for --pad-to: --pad-to 16 is larger than the capacity 8"),
     (["--capacity", "8", "--balance", "0"], "Invalid value for --balance: must be positive, got 0"),
     (["--capacity", "8", "--balance-cost", "time"],
@@ -131,8 +131,8 @@ def test_stats_compare_strategies(small):
 @pytest.mark.parametrize("args, message", [
     (["--min-err", "0.3"], "Invalid value for --min-err: needs --capacity"),
     (["--compare-strategies"], "Invalid value for --compare-strategies: needs --capacity"),
-    (["--capacity", "sixty"], "Invalid value for --capacity: invalid capacity 'sixty': expected an integer or a "
-                              "number with k/K/M/G, e.g. 60k"),
+    (["--capacity", "sixty"], ("Invalid value for --capacity: invalid capacity 'sixty': expected an integer or a "
+                              "number with k/K/M/G, e.g. 60k")),
 ])
 def test_stats_usage_errors(small, args, message):
     r = run("stats", small, *args)
@@ -141,7 +141,7 @@ def test_stats_usage_errors(small, args, message):
 
 def test_stats_oversize(small):
     r = run("stats", small, "--capacity", "6")
-    assert (r.code, r.err) == (1, f"Error: {small}: sequence id 'x' (record 3) has 8 tokens > capacity 6; "
-                                  "use --oversize skip to drop such sequences\n")
+    assert (r.code, r.err) == (1, (f"Error: {small}: sequence id 'x' (record 3) has 8 tokens > capacity 6; "
+                                  "use --oversize skip to drop such sequences\n"))
     r = run("stats", small, "--capacity", "6", "--oversize", "skip", "--json")
     assert r.code == 0 and json.loads(r.out)["n_packs"] == 1  # a, b, c: 1 2 3 4 5 9

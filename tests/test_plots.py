@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-
 from cli_helpers import run
+from hypothesis import given, settings
 from strategies import rollouts_from, sequence_lists
+
 from treepack import plots
 from treepack.errors import InputError
 from treepack.packing import pack_sequences

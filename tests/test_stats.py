@@ -2,13 +2,12 @@
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from oracle import naive_stats
 from strategies import rollouts_from, sequence_lists
+
 from treepack.rollouts import read_rollouts
 from treepack.stats import MODEL_SHAPES, Gate, compute_stats
 from treepack.tree import PrefixTree

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from cli_helpers import run
 
 REQUIRED = ("n_sequences", "n_flat_tokens", "n_tree_tokens", "compression", "por", "c_leaf", "c_attn",

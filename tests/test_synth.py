@@ -15,14 +15,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cli_helpers import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from cli_helpers import run
 from oracle import naive_stats
 from treepack.datasets import SAMPLES_DIR, LogNormal, generate, iter_batches, preset
 from treepack.datasets.synth import KINDS, trees_per_chunk
 from treepack.datasets.vocab import QWEN3_VOCAB, Vocab
+
 from treepack.errors import ConfigError
 
 IM_START, ASSISTANT = 151644, 77091
@@ -44,7 +44,7 @@ def by_sample(table: pa.Table) -> dict[tuple[int, int], list[list[int]]]:
     return out
 
 
-def without_own_think(ids: list[int], v: Vocab = Vocab()) -> list[int]:
+def without_own_think(ids: list[int], v: Vocab = Vocab()) -> list[int]:  # noqa: B008 - Vocab is immutable
     """The record as later turns see it: its trained turn's <think>...</think>\\n\\n removed."""
     start = len(ids) - 1 - ids[::-1].index(v.id("think"))
     end = ids.index(v.id("think_end"), start)
@@ -311,8 +311,8 @@ def test_cli_options_reach_the_config(tmp_path):
     [
         (["synth", "tau3", "-o", "x.jsonl"], 2, "Invalid value for 'kind'"),
         (["synth", "tau2", "-o", "x.txt"], 1,
-         "Error: cannot tell the output format of 'x.txt': "
-         "use .jsonl, .jsonl.gz or .parquet (or - for stdout)\n"),
+         ("Error: cannot tell the output format of 'x.txt': "
+         "use .jsonl, .jsonl.gz or .parquet (or - for stdout)\n")),
         (["synth", "tau2", "-o", "x.jsonl", "--set", "turn.median=3"], 1,
          "Error: unknown synth setting 'turn.median': did you mean 'turns.median'?\n"),
         (["synth", "tau2", "-o", "x.jsonl", "--set", "tool_prob=lots"], 1,

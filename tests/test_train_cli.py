@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from cli_helpers import run
+
 from treepack.train.config import EXAMPLE_CONFIG, RunConfig, parse_config
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "train_loss.json"

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import treepack.tree as tree_module
 from oracle import NaiveTrie
 from strategies import rollouts_from, sequence_lists
+
+import treepack.tree as tree_module
 from treepack.tree import PrefixTree, adjacent_lcp, lexicographic_order, sorted_with_lcp
 
 

@@ -76,7 +76,7 @@ class Pack:
 
 
 def build_pack(
-    r: "Rollouts",
+    r: Rollouts,
     index: np.ndarray | list[int] | None = None,
     *,
     scope: np.ndarray | None = None,

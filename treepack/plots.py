@@ -60,7 +60,8 @@ from treepack.tree import PrefixTree
 if TYPE_CHECKING:  # packing is optional for every figure but ``packs``
     from treepack.packing import Packing
 
-from treepack.figure_options import DEFAULT_DPI, FORMATS, KINDS, MAX_TREE_NODES  # noqa: E402  (re-exported)
+from treepack.figure_options import DEFAULT_DPI, FORMATS, KINDS, MAX_TREE_NODES
+
 MAX_TREE_LABELS = 64
 
 TREE_COLOR = "#2166ac"  # tree / first-time tokens, in every figure

@@ -26,14 +26,14 @@ import numpy as np
 
 from treepack import __version__
 from treepack.errors import TreepackError
+from treepack.figure_options import REPORT_CAPACITY as DEFAULT_CAPACITY
+from treepack.figure_options import REPORT_DPI
 from treepack.packing import STRATEGIES, Packing, pack_sequences
 from treepack.plots import figure, png_bytes, source_label
 from treepack.rollouts import Rollouts
 from treepack.stats import DEFAULT_MODEL, TreeStats, compute_stats
 from treepack.tree import PrefixTree
 
-from treepack.figure_options import REPORT_CAPACITY as DEFAULT_CAPACITY  # noqa: E402
-from treepack.figure_options import REPORT_DPI  # noqa: E402
 # the exact DP's time grows exponentially with the sequences of a step: ~0.01 s at 16, ~0.6 s at 24, minutes
 # (and GBs) at 48 on GRPO-shaped batches; a report must finish in seconds
 REPORT_OPTIMAL_MAX_SEQUENCES = 16

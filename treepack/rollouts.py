@@ -27,9 +27,9 @@ import mmap
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -103,7 +103,7 @@ class Rollouts:
             return np.ones(n, dtype=np.uint8)
         return self.loss_mask[self.offsets[i] : self.offsets[i + 1]]
 
-    def select(self, index: np.ndarray) -> "Rollouts":
+    def select(self, index: np.ndarray) -> Rollouts:
         """The sub-batch of the given sequence indices, in that order."""
         index = np.asarray(index, dtype=np.int64)
         starts, lens = self.offsets[:-1][index], self.lengths[index]

@@ -559,6 +559,6 @@ def write_rollouts(r: Rollouts, path: str) -> None:
         if path == "-":
             fh = sys.stdout
         else:
-            fh = stack.enter_context(gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w"))
+            fh = stack.enter_context(gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w"))  # noqa: SIM115
         for rec in iter_records(r):
             fh.write(json.dumps(rec, separators=(",", ":")) + "\n")

@@ -197,7 +197,7 @@ def compute_stats(
         mean_depth=float(tree.lengths[leaf].mean()) if n_leaves else 0.0,
         mean_seq_len=float(L.mean()) if n else 0.0,
         n_trees=int((tree.node_parent < 0).sum()),
-        n_scopes=int(len(np.unique(tree.scope))) if n else 0,
+        n_scopes=len(np.unique(tree.scope)) if n else 0,
         n_duplicates=n_dup,
         n_prefix_of_another=n_distinct - n_leaves,
         ideal_speedup=1.0 / (1.0 - por) if por < 1 else math.inf,

@@ -252,7 +252,7 @@ class PrefixTree:
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def build(cls, r: Rollouts, *, group_by: str | None = None, scope: np.ndarray | None = None) -> "PrefixTree":
+    def build(cls, r: Rollouts, *, group_by: str | None = None, scope: np.ndarray | None = None) -> PrefixTree:
         """Build the trie of a batch; ``group_by="tree_id"`` gives one tree per group (see ``scope_codes``)."""
         if scope is None:
             scope, names = scope_codes(r, group_by)
@@ -263,7 +263,7 @@ class PrefixTree:
         return tree
 
     @classmethod
-    def from_arrays(cls, tokens: np.ndarray, offsets: np.ndarray, scope: np.ndarray | None = None) -> "PrefixTree":
+    def from_arrays(cls, tokens: np.ndarray, offsets: np.ndarray, scope: np.ndarray | None = None) -> PrefixTree:
         tokens = np.asarray(tokens)
         offsets = np.asarray(offsets, dtype=np.int64)
         n = len(offsets) - 1
