@@ -1,23 +1,17 @@
-"""The typer application: registers one command per module of ``treepack.cli``.
+"""The typer application: one command per module of ``treepack.cli``.
 
-Each entry is (command name, module, function); modules are imported here, but heavy dependencies
-(torch) are imported inside the command functions so that ``treepack stats`` starts fast without torch.
+Each entry of `COMMANDS` is (command name, module, function). The console script imports only the module
+of the command it runs (``treepack stats`` never loads the packing writer, the synthesiser or the
+plotting code), and heavy dependencies (torch, matplotlib) are imported inside the command functions.
+``app``, the application with every command, is built on first use (tests, ``treepack --help``).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
-
-app = typer.Typer(
-    name="treepack",
-    help="Find and exploit shared prefixes in LLM RL rollouts: stats, packing, tree-attention training.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
 
 COMMANDS: list[tuple[str, str, str]] = [
     ("stats", "treepack.cli.stats", "stats"),
@@ -39,25 +33,37 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """Find and exploit shared prefixes in LLM RL rollouts: stats, packing, tree-attention training."""
 
 
-def _register() -> None:
+def build_app(only: str | None = None) -> typer.Typer:
+    """The application with every command, or with only the command ``only`` (what one run needs)."""
+    application = typer.Typer(
+        name="treepack",
+        help="Find and exploit shared prefixes in LLM RL rollouts: stats, packing, tree-attention training.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+    )
+    application.callback()(_root)
     for name, module, attr in COMMANDS:
-        fn = getattr(importlib.import_module(module), attr)
-        app.command(name)(fn)
+        if only is None or name == only:
+            application.command(name)(getattr(importlib.import_module(module), attr))
+    return application
 
 
-_register()
+def __getattr__(name: str) -> typer.Typer:
+    if name == "app":  # the full application, built once on first access
+        globals()["app"] = application = build_app()
+        return application
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    main()
+    names = {name for name, _, _ in COMMANDS}
+    words = [a for a in sys.argv[1:] if not a.startswith("-")]
+    build_app(words[0] if words and words[0] in names else None)()

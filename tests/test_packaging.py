@@ -51,6 +51,9 @@ def test_stats_runs_without_torch(tmp_path):
         except SystemExit as e:
             assert not e.code, e.code
         assert "torch" not in sys.modules
+        # only the command that runs is imported: not the trainer, the synthesiser or the plots
+        loaded = [m for m in ("treepack.cli.train", "treepack.datasets.synth", "treepack.cli.plot") if m in sys.modules]
+        assert not loaded, loaded
         """
     )
     out = run_py(code, tmp_path)
