@@ -177,3 +177,33 @@ def test_random_init_drawn_on_the_device_has_the_same_distribution():
             assert abs(float(p.float().std()) - 0.05) < 0.01, name
     again = Decoder.random_init(args, seed=1, dtype=torch.bfloat16, draw_on_device=True)
     assert all(torch.equal(a, b) for a, b in zip(fast.parameters(), again.parameters()))  # seeded
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
+    """A toolchain that cannot compile must not stop training: the eager function runs, with a warning."""
+    import warnings
+
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from treepack.train import compiled as compiled_mod
+
+    def broken_compile(fn, **kw):
+        def run(*a, **k):
+            error = BackendCompilerFailed.__new__(BackendCompilerFailed)  # its __init__ differs across torch versions
+            Exception.__init__(error, "no C compiler found")
+            raise error
+        return run
+
+    monkeypatch.setattr(compiled_mod, "_compiled", {})
+    monkeypatch.setattr(compiled_mod.torch, "compile", broken_compile)
+
+    def double(x):
+        return 2 * x
+
+    twin = compiled_mod.compiled(double)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(twin(torch.ones(3)), 2 * torch.ones(3))
+        assert torch.equal(twin(torch.ones(2)), 2 * torch.ones(2))  # eager from now on, no second warning
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "torch.compile failed for double" in messages[0], messages

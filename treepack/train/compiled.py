@@ -14,6 +14,8 @@ tests) stay eager; CUDA uses the compiled one unless the config says ``compile =
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -21,11 +23,42 @@ import torch
 _compiled: dict[Callable, Callable] = {}
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "this function could not be compiled here" (not a failure of the computation)."""
+    from torch._dynamo import exc
+
+    return exc.BackendCompilerFailed, exc.Unsupported, exc.InternalTorchDynamoError
+
+
 def compiled(fn: Callable) -> Callable:
-    """The compiled twin of ``fn`` (built once, shared by every caller)."""
+    """The compiled twin of ``fn`` (built once, shared by every caller).
+
+    Compilation happens at the first call of each new input signature, before anything is computed;
+    if it fails there (no working compiler toolchain, an unsupported torch/triton pair), ``fn`` runs
+    eagerly from then on, with one warning, instead of the training run stopping: same results, slower."""
     out = _compiled.get(fn)
     if out is None:
-        out = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        fast = torch.compile(fn, dynamic=True, fullgraph=True)
+        broken: list[BaseException] = []
+
+        @functools.wraps(fn)
+        def out(*args, **kwargs):
+            if broken:
+                return fn(*args, **kwargs)
+            try:
+                return fast(*args, **kwargs)
+            except _compile_errors() as error:
+                broken.append(error)
+                first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                warnings.warn(
+                    f"torch.compile failed for {fn.__name__} ({first_line}); running it eagerly "
+                    "(set train.compile = \"off\" to skip compiling)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return fn(*args, **kwargs)
+
+        _compiled[fn] = out
     return out
 
 
