@@ -15,7 +15,7 @@ from cli_helpers import run
 from hypothesis import given, settings
 from strategies import rollouts_from, sequence_lists
 
-from treepack import plots
+from treepack import plots, tree_figure
 from treepack.errors import InputError
 from treepack.packing import pack_sequences
 from treepack.report import build_report, compare_strategies
@@ -205,7 +205,7 @@ def test_pick_group_default_saves_most_and_by_name():
 def test_tree_summary_bounds_the_drawing(big):
     tree = big[1]  # one forest: a shared template, 1,250 prompts, 10k responses
     for max_nodes in (40, 120, 250):
-        items, children, n_rows, threshold = plots._tree_items(tree, max_nodes, max(6, max_nodes // 30))
+        items, children, n_rows, threshold = tree_figure._tree_items(tree, max_nodes, max(6, max_nodes // 30))
         assert len(items) <= max_nodes and n_rows <= max(24, max_nodes // 4)
         drawn = [it for it in items if it["kind"] == "node"]
         wedged = sum(len(it["members"]) for it in items if it["kind"] == "wedge")

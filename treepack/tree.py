@@ -457,3 +457,31 @@ def _compressed_nodes(lcp: np.ndarray, lengths: np.ndarray, seg_start: np.ndarra
         np.asarray(ends[rev], dtype=np.int64),
         np.asarray(seqs[rev], dtype=np.int64),
     )
+
+
+class RangeMin:
+    """Minimum of ``a[lo:hi]`` for many (lo, hi) pairs at once: a sparse table, O(n log n) build, O(1) a query."""
+
+    def __init__(self, a: np.ndarray):
+        a = np.asarray(a)
+        self.levels = [a]  # levels[j][i] = min(a[i : i + 2**j])
+        k = 1
+        while 2 * k <= len(a):
+            prev = self.levels[-1]
+            self.levels.append(np.minimum(prev[:-k], prev[k:]))
+            k *= 2
+
+    def __call__(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        lo = np.asarray(lo, dtype=np.int64)
+        hi = np.asarray(hi, dtype=np.int64)
+        out = np.empty(len(lo), dtype=self.levels[0].dtype)
+        if not len(lo):
+            return out
+        if np.any(hi <= lo):
+            raise ValueError("RangeMin needs non-empty ranges (hi > lo)")
+        j = np.frexp((hi - lo).astype(np.float64))[1] - 1  # floor(log2(length)), exact for ints < 2**53
+        for level in np.unique(j).tolist():
+            m = j == level
+            t = self.levels[level]
+            out[m] = np.minimum(t[lo[m]], t[hi[m] - (1 << level)])
+        return out
