@@ -132,7 +132,7 @@ def plan_only(args) -> str:
         whole = build_pack(r)
         rows = LossRows.from_pack(whole)
         for block, keep in args.dfs:
-            s = DfsMode(block_size=block, keep_tokens=keep).schedule(whole, rows)
+            s = DfsMode(block_size=block, keep_tokens=keep, subtree_calls=not args.walk).schedule(whole, rows)
             share = s.anchor_tokens / (s.anchor_tokens + s.grad_tokens)
             calls = "/".join(str(s.count(k)) for k in ("anchor", "keep", "grad", "release"))
             lines.append(
@@ -246,7 +246,8 @@ def run_gpu(args) -> None:
             for block, keep in variants:
                 label = mode_name if mode_name != "dfs" else f"dfs B={block or 'inf'}" + (f" keep={keep}" if keep else "")
                 mode = make_mode(mode_name.removesuffix("-leaf"), attention=None if mode_name.startswith("dense") else args.attention,
-                                 dfs_block_size=block, dfs_keep_tokens=keep, chunk_rows=args.logits_chunk)
+                                 dfs_block_size=block, dfs_keep_tokens=keep, chunk_rows=args.logits_chunk,
+                                 dfs_subtree_calls=not args.walk)
                 results[label] = measure(model, groups[mode_name], mode, objective, args.repeats)
                 results[label]["packs"] = len(groups[mode_name])
                 print(label, {k: v for k, v in results[label].items() if k != "work"}, flush=True)
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", default=",".join(MODES), type=lambda s: s.split(","))
     ap.add_argument("--dfs", default="2048,8192,2048:8192", type=_dfs_variants,
                     help="dfs variants BLOCK[:KEEP] (dfs_block_size, 0 = unlimited; dfs_keep_tokens, default 0)")
+    ap.add_argument("--walk", action="store_true", help="dfs leaf by leaf (AReaL-DTA), no subtree calls")
     ap.add_argument("--capacity", type=int, default=32768, help="tree mode: pack capacity in tree tokens")
     ap.add_argument("--dense-tokens", type=int, default=16384, help="dense modes: flat tokens per micro-batch")
     ap.add_argument("--dense-max-flat", type=int, default=300_000, help="skip dense above this many flat tokens")

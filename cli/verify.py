@@ -83,6 +83,7 @@ def verify(
     seed: int = typer.Option(0, "--seed", help="Seed of the random model (and of synthetic advantages)."),
     dfs_block_size: int = typer.Option(2048, "--dfs-block-size", help="dfs: most tokens forwarded with grad at once (0 = unlimited)."),
     dfs_keep_tokens: int = typer.Option(0, "--dfs-keep-tokens", help="dfs: shared segments kept with their graph instead of re-forwarded."),
+    dfs_walk: bool = typer.Option(False, "--dfs-walk", help="dfs: walk leaf by leaf (AReaL-DTA) instead of one call per subtree that fits a block."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -100,7 +101,7 @@ def verify(
     from treepack.train.modes import make_mode
     from treepack.train.verify import DTYPES, verify_packs
 
-    mode_options = {"dfs_block_size": dfs_block_size, "dfs_keep_tokens": dfs_keep_tokens}
+    mode_options = {"dfs_block_size": dfs_block_size, "dfs_keep_tokens": dfs_keep_tokens, "dfs_subtree_calls": not dfs_walk}
     for m in mode_list:
         make_mode(m, **mode_options)  # unknown modes and bad options fail here, before any work
     if dtype not in DTYPES:

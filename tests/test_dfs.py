@@ -413,6 +413,8 @@ def test_config_accepts_dfs_and_checks_its_keys():
     base = '[data]\nshards = "p"\n[train]\nmode = "dfs"\n'
     cfg = parse_config(base + "dfs_block_size = 0\ndfs_keep_tokens = 4096\n")
     assert (cfg.train.mode, cfg.train.dfs_block_size, cfg.train.dfs_keep_tokens) == ("dfs", 0, 4096)
+    assert cfg.train.dfs_subtree_calls and not parse_config(base + "dfs_subtree_calls = false\n").train.dfs_subtree_calls
+    assert not make_mode("dfs", dfs_subtree_calls=False).subtree_calls
     with pytest.raises(ConfigError, match="train.dfs_block_size must be >= 0"):
         parse_config(base + "dfs_block_size = -1\n")
     with pytest.raises(ConfigError, match="train.dfs_order must be one of backward, layout"):

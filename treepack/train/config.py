@@ -136,6 +136,7 @@ class TrainConfig:
     dfs_block_size: int = 2048  # dfs: most tokens forwarded with grad in one call (0 = unlimited: a pack in one call)
     dfs_keep_tokens: int = 0  # dfs: shared segments kept with their graph instead of re-forwarded (tokens; 0 = off)
     dfs_order: str = "backward"  # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout (the pack's)
+    dfs_subtree_calls: bool = True  # dfs: pop subtrees that fit a block in one tree call (false: leaf by leaf)
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
@@ -341,6 +342,7 @@ compile = "auto"            # torch.compile norms/RoPE/SwiGLU/loss softmax: auto
 dfs_block_size = 2048       # dfs: most tokens forwarded with grad at once (0 = unlimited); a tree that fits is one call
 dfs_keep_tokens = 0         # dfs: shared segments kept with their graph instead of re-forwarded (0 = off)
 dfs_order = "backward"      # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout
+dfs_subtree_calls = true    # dfs: a subtree that fits a block is one tree call (false: AReaL-DTA, leaf by leaf)
 
 [train.loss]
 kind = "sft"                # sft | grpo (PPO-clip; advantages from the data, else group-normalised rewards)

@@ -223,7 +223,8 @@ def train(
         attention = "sdpa"
     mode = make_mode(cfg.train.mode, attention=attention, chunk_rows=cfg.train.logits_chunk,
                      **({"dfs_block_size": cfg.train.dfs_block_size, "dfs_keep_tokens": cfg.train.dfs_keep_tokens,
-                         "dfs_order": cfg.train.dfs_order} if cfg.train.mode == "dfs" else {}))
+                         "dfs_order": cfg.train.dfs_order, "dfs_subtree_calls": cfg.train.dfs_subtree_calls}
+                        if cfg.train.mode == "dfs" else {}))
 
     start, losses = 0, []
     if cfg.output.resume and has_checkpoint(out_dir):
