@@ -243,6 +243,10 @@ def train(
     def save(step: int) -> None:
         save_checkpoint(out_dir, model, optimizer, {"step": step, "losses": losses})
 
+    if model.uses_compiled(device) or (device.type == "cuda" and cfg.train.mode != "dense"):
+        log("the first steps compile the kernels (torch.compile, Triton autotuning): expect them to take "
+            "tens of seconds longer than the rest")
+
     try:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
