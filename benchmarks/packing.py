@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from hardware import cpu_model  # benchmarks/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPACITIES = (8000, 16000, 32000, 60000)
@@ -41,17 +42,6 @@ SYNTH = (
 )
 DEFAULT_REAL = ROOT.parent / "shared" / "data" / "rollouts"
 BUNDLED_REAL = ROOT / "datasets" / "samples" / "tau_bench_slice.parquet"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def load_synth(kind: str, n: int, overrides: dict, tmp: Path, seed: int = 0):

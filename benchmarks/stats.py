@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+from hardware import cpu_model  # benchmarks/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,17 +155,6 @@ def stage_seconds(path: Path, repeat: int) -> dict[str, float]:
         for stage, seconds in json.loads(run_child(STAGES, str(path))[2]).items():
             best[stage] = min(best.get(stage, float("inf")), seconds)
     return best
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TypeVar
 
 import typer
@@ -43,3 +43,9 @@ def handle_errors(fn: F) -> F:
             raise typer.Exit(0) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def check_choice(value: str, choices: Collection[str], option: str) -> None:
+    """Usage error (exit 2) naming the option, its valid values and the value given."""
+    if value not in choices:
+        raise typer.BadParameter(f"must be one of {', '.join(choices)}, got {value!r}", param_hint=option)

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from treepack.cli.common import console, err_console, handle_errors
+from treepack.cli.common import check_choice, console, err_console, handle_errors
 from treepack.cli.stats import load_with_progress
 
 from treepack.balance import BALANCE_COSTS
@@ -36,11 +36,6 @@ def size_option(text: str, option: str, what: str) -> int:
         return parse_size(text, what=what)
     except TreepackError as exc:
         raise typer.BadParameter(str(exc), param_hint=option) from None
-
-
-def check_choice(value: str, choices, option: str) -> None:
-    if value not in choices:
-        raise typer.BadParameter(f"must be one of {', '.join(choices)}, got {value!r}", param_hint=option)
 
 
 def report_oversize(r: Rollouts, p: Packing) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from treepack.cli.common import console, err_console, handle_errors
+from treepack.cli.common import check_choice, console, err_console, handle_errors
 from treepack.cli.pack import report_oversize, size_option
 from treepack.cli.stats import load_with_progress
 
@@ -38,17 +38,12 @@ def plot(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, no 'wrote' line."),
 ) -> None:
     """Draw a figure: the prefix tree of a group, active sequences by position, pack fill, or histograms."""
-    if kind not in KINDS:
-        raise typer.BadParameter(f"must be one of {', '.join(KINDS)}", param_hint="--kind")
+    check_choice(kind, KINDS, "--kind")
     check_output(output)
-    if group_by not in ("none", "tree_id"):
-        raise typer.BadParameter("must be 'none' or 'tree_id'", param_hint="--group-by")
-    if on_error not in ("raise", "skip"):
-        raise typer.BadParameter("must be 'raise' or 'skip'", param_hint="--on-error")
-    if strategy not in STRATEGIES:
-        raise typer.BadParameter(f"must be one of {', '.join(STRATEGIES)}", param_hint="--strategy")
-    if oversize not in OVERSIZE:
-        raise typer.BadParameter(f"must be one of {', '.join(OVERSIZE)}", param_hint="--oversize")
+    check_choice(group_by, ("none", "tree_id"), "--group-by")
+    check_choice(on_error, ("raise", "skip"), "--on-error")
+    check_choice(strategy, STRATEGIES, "--strategy")
+    check_choice(oversize, OVERSIZE, "--oversize")
     if kind == "packs" and capacity is None:
         raise typer.BadParameter("--kind packs needs --capacity", param_hint="--capacity")
     if max_nodes < 2:

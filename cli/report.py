@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from treepack.cli.common import console, handle_errors
+from treepack.cli.common import check_choice, console, handle_errors
 from treepack.cli.pack import size_option
 from treepack.cli.stats import load_with_progress
 
@@ -33,12 +33,9 @@ def report(
     """Write an HTML report: stats tables, every packing strategy at one capacity, and the figures."""
     if output.suffix.lower() not in (".html", ".htm"):
         raise typer.BadParameter(f"{output.name!r}: the file name must end in .html", param_hint="--output")
-    if group_by not in ("none", "tree_id"):
-        raise typer.BadParameter("must be 'none' or 'tree_id'", param_hint="--group-by")
-    if on_error not in ("raise", "skip"):
-        raise typer.BadParameter("must be 'raise' or 'skip'", param_hint="--on-error")
-    if oversize not in OVERSIZE:
-        raise typer.BadParameter(f"must be one of {', '.join(OVERSIZE)}", param_hint="--oversize")
+    check_choice(group_by, ("none", "tree_id"), "--group-by")
+    check_choice(on_error, ("raise", "skip"), "--on-error")
+    check_choice(oversize, OVERSIZE, "--oversize")
     if model not in MODEL_SHAPES:
         raise typer.BadParameter(f"unknown model {model!r}; known: {', '.join(MODEL_SHAPES)}", param_hint="--model")
     if dpi < 10:

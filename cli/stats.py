@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from treepack.cli.common import console, err_console, handle_errors
+from treepack.cli.common import check_choice, console, err_console, handle_errors
 
 from treepack.errors import InputError, TreepackError
 from treepack.packing import OVERSIZE, STRATEGIES, pack_sequences
@@ -113,10 +113,8 @@ def stats(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Compression rate C, POR, C_leaf, C_attn and the shape of the prefix trees; exit 1 if a gate fails."""
-    if on_error not in ("raise", "skip"):
-        raise typer.BadParameter("must be 'raise' or 'skip'", param_hint="--on-error")
-    if group_by not in ("none", "tree_id"):
-        raise typer.BadParameter("must be 'none' or 'tree_id'", param_hint="--group-by")
+    check_choice(on_error, ("raise", "skip"), "--on-error")
+    check_choice(group_by, ("none", "tree_id"), "--group-by")
     if model not in MODEL_SHAPES:
         raise typer.BadParameter(f"unknown model {model!r}; known: {', '.join(MODEL_SHAPES)}", param_hint="--model")
     cap = None
@@ -124,10 +122,8 @@ def stats(
         from treepack.cli.pack import size_option
 
         cap = size_option(capacity, "--capacity", "capacity")
-    if strategy not in STRATEGIES:
-        raise typer.BadParameter(f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}", param_hint="--strategy")
-    if oversize not in OVERSIZE:
-        raise typer.BadParameter(f"must be one of {', '.join(OVERSIZE)}, got {oversize!r}", param_hint="--oversize")
+    check_choice(strategy, STRATEGIES, "--strategy")
+    check_choice(oversize, OVERSIZE, "--oversize")
     for flag, value in (("--min-err", min_err), ("--compare-strategies", compare_strategies or None)):
         if value is not None and cap is None:
             raise typer.BadParameter("needs --capacity", param_hint=flag)

@@ -9,7 +9,7 @@ import typer
 from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from treepack.cli.common import console, err_console, handle_errors
+from treepack.cli.common import check_choice, console, err_console, handle_errors
 
 from treepack.errors import TreepackError
 from treepack.sizes import parse_size
@@ -104,8 +104,7 @@ def verify(
     mode_options = {"dfs_block_size": dfs_block_size, "dfs_keep_tokens": dfs_keep_tokens, "dfs_subtree_calls": not dfs_walk}
     for m in mode_list:
         make_mode(m, **mode_options)  # unknown modes and bad options fail here, before any work
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"must be one of {', '.join(DTYPES)}", param_hint="--dtype")
+    check_choice(dtype, DTYPES, "--dtype")
     if loss not in ("sft", "grpo"):
         raise typer.BadParameter("must be sft or grpo", param_hint="--loss")
 

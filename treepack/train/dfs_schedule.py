@@ -235,15 +235,16 @@ def _node_pieces(path: list[int], depth: list[int], depth_end: list[int], lo: in
     return out
 
 
-def subtree_ends(parent_T: np.ndarray) -> np.ndarray:
-    """int64 [T]: exclusive end of each token's subtree, for tokens in DFS preorder (``parent[t] < t``)."""
-    parent = np.asarray(parent_T, dtype=np.int64).tolist()
-    end = list(range(1, len(parent) + 1))
-    for t in range(len(parent) - 1, 0, -1):  # children after parents: a reverse pass sees every child first
-        p = parent[t]
-        if p >= 0 and end[t] > end[p]:
-            end[p] = end[t]
-    return np.asarray(end, dtype=np.int64)
+def subtree_ends(nodes: _Nodes) -> np.ndarray:
+    """int64 [T]: exclusive end of each token's subtree (tokens in DFS preorder). A token's subtree is the
+    rest of its radix node and the node's descendants, so one reverse pass over nodes, not tokens."""
+    end = nodes.end_N.tolist()
+    parent = nodes.parent_N.tolist()
+    for v in range(len(end) - 1, -1, -1):  # children have larger indices: each is final before its parent
+        p = parent[v]
+        if p >= 0 and end[v] > end[p]:
+            end[p] = end[v]
+    return np.repeat(np.asarray(end, dtype=np.int64), nodes.end_N - nodes.start_N)
 
 
 def live_tokens(parent_T: np.ndarray, needed_T: np.ndarray) -> np.ndarray:
@@ -317,7 +318,7 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
     nodes = tree_nodes(parent_T)
     n_leaves = sum(1 for c in nodes.children if not c)
     T = int(parent_T.shape[0])
-    end_T = subtree_ends(parent_T)
+    end_T = subtree_ends(nodes)
     if subtree_calls and 0 < T <= limit:  # the whole tree fits one call: forward it as a tree, no walk
         step = Step("grad", 0, np.arange(T, dtype=np.int64), kv_grad=False, subtree_end_C=end_T, n_path=0)
         return Schedule(steps=[step], n_tokens=T, n_pruned=0, max_depth=int(nodes.depth_end_N.max()),
