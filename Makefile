@@ -35,6 +35,7 @@ bench-packing: install
 # Needs a CUDA machine: attention kernel and training-step benchmarks.
 bench-gpu: install
 	$(PY) benchmarks/attention.py
+	$(PY) benchmarks/attention_bwd.py --out benchmarks/results/$$(date +%F)-attention-bwd.md
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/dfs.py --out benchmarks/results/$$(date +%F)-dfs.md
 

@@ -211,7 +211,7 @@ def run_gpu(args) -> None:
          f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
          f"token-mean; attention {args.attention}; tree capacity {args.capacity:,}; dense micro-batches <= "
          f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
-        f"Command: `python benchmarks/dfs.py {' '.join(sys.argv[1:])}` (model init {init_s:.0f} s).",
+        f"Command: `python benchmarks/dfs.py {_argv_without_dirs(sys.argv[1:])}` (model init {init_s:.0f} s).",
         "",
         ("Columns: s/step = forward + backward of the whole workload; tree tok/s = N_tree / s; peak = "
          "max_memory_allocated over the step (weights and gradients included); anchor = dfs tokens forwarded "
@@ -276,6 +276,15 @@ def run_gpu(args) -> None:
         flush()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _argv_without_dirs(argv: list[str]) -> str:
+    """The command line as typed, with --out reduced to its file name (reports name no machine paths)."""
+    out = list(argv)
+    for i, a in enumerate(out[:-1]):
+        if a == "--out":
+            out[i + 1] = Path(out[i + 1]).name
+    return " ".join(out)
 
 
 def _dfs_variants(text: str) -> list[tuple[int, int]]:

@@ -453,6 +453,13 @@ INTERPRETER_CASES = {
     "T70_fp16_blocks32": ("random_70", 2, 2, 64, 5, "float16", {"fwd_block_m": 32, "dkdv_block_n": 16, "dkdv_block_m": 32}),
     "star_D32": ("star_small", 2, 1, 32, 0, "float32", {"sched_m": 16, "fwd_block_m": 16, "dq_block_m": 16}),
     "chain_D128": ("chain_24", 2, 2, 128, 0, "float32", {}),
+    # the fused backward (dQ by atomics from the dK/dV kernel): GQA group 2, ragged T and prefix blocks
+    "T37_gqa_fused": ("random_37", 4, 2, 64, 0, "float32", {"fused_bwd": True}),
+    "T70_prefix_gqa_fused": ("random_70", 4, 2, 64, 21, "float32", {"fused_bwd": True}),
+    "T70_fp16_blocks32_fused": (
+        "random_70", 4, 2, 64, 5, "float16", {"fwd_block_m": 32, "dkdv_block_n": 16, "dkdv_block_m": 32, "fused_bwd": True},
+    ),
+    "T70_fp16_low_lse_fused": ("random_70", 4, 2, 64, 21, "float16", {"fused_bwd": True}),
 }
 INTERPRETER_TREES = {
     "one_token": lambda: torch.tensor([1], dtype=torch.int32),
@@ -461,6 +468,18 @@ INTERPRETER_TREES = {
     "star_small": lambda: star_subtree_end(root_len=3, n_leaves=20, leaf_len=2),
     "chain_24": lambda: chains_subtree_end([24]),
 }
+
+
+def _low_lse_inputs(q, k, v, pk, pv):
+    """Every score q·k/sqrt(D) near -24 (lse ~ -30 in base 2): a zero key of a ragged prefix block gets
+    p = 2^-lse, which overflows fp16 in dS (inf · k = 0 is NaN in the fused dQ unless the kernel masks it)."""
+    u = torch.randn(q.shape[-1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    u = 14 * u / u.norm()
+    shift = lambda t, sign: (0.1 * t.double() + sign * u).to(t.dtype)
+    return shift(q, 1), shift(k, -1), v, shift(pk, -1), pv
+
+
+INTERPRETER_INPUTS = {"T70_fp16_low_lse_fused": _low_lse_inputs}
 
 
 def _interpreter_checks() -> None:
@@ -486,15 +505,24 @@ def _interpreter_checks() -> None:
         subtree_end_T = INTERPRETER_TREES[tree]()
         T = subtree_end_T.numel()
         dt = getattr(torch, dtype)
-        q, k, v, pk, pv = make_qkv(T, H, K, D, dtype=dt, seed=T + D, P=P)
+        q, k, v, pk, pv = INTERPRETER_INPUTS.get(name, lambda *t: t)(*make_qkv(T, H, K, D, dtype=dt, seed=T + D, P=P))
         inputs = [t.requires_grad_() for t in (q, k, v, pk, pv) if t is not None]
         cfg = replace(tri.PINNED, **changes)
-        out = tri.tree_attention_triton(
-            q, k, v, subtree_end_T, prefix_k=inputs[3] if P else None, prefix_v=inputs[4] if P else None,
-            config=cfg,
-        )
+
+        def run(cfg, inputs=inputs, subtree_end_T=subtree_end_T, P=P):
+            return tri.tree_attention_triton(
+                *inputs[:3], subtree_end_T, prefix_k=inputs[3] if P else None, prefix_v=inputs[4] if P else None,
+                config=cfg,
+            )
+
+        out = run(cfg)
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dt)
         grads = torch.autograd.grad(out, inputs, dout)
+        vs_split = {}
+        if cfg.fused_bwd:  # the split backward on the same inputs and tiles
+            split_grads = torch.autograd.grad(run(replace(cfg, fused_bwd=False)), inputs, dout)
+            for gname, g, sg in zip(["dq", "dk", "dv", "dpk", "dpv"], grads, split_grads):
+                vs_split[gname] = (g.double() - sg.double()).abs().max().item()
         ref_in = [t.detach().double().requires_grad_() for t in inputs]
         ref = tree_attention_reference(
             *ref_in[:3], subtree_end_T, prefix_k_PKD=ref_in[3] if P else None,
@@ -504,7 +532,8 @@ def _interpreter_checks() -> None:
         errs = {"out": (out.double() - ref).abs().max().item()}
         for gname, g, rg in zip(["dq", "dk", "dv", "dpk", "dpv"], grads, ref_grads):
             errs[gname] = (g.double() - rg).abs().max().item()
-        print(json.dumps({"case": name, "errs": errs, "finite": all(bool(g.isfinite().all()) for g in grads)}))
+        finite = all(bool(g.isfinite().all()) for g in grads)
+        print(json.dumps({"case": name, "errs": errs, "vs_split": vs_split, "finite": finite}))
     # torch.library registration: schema, fake tensors and autograd wiring
     subtree_end_T = INTERPRETER_TREES["random_37"]()
     info = tri.schedule_for(subtree_end_T, tri.PINNED)
@@ -575,6 +604,30 @@ def test_triton_interpreter_matches_reference(interpreter_results, case):
     tol = TOL[INTERPRETER_CASES[case][5]]
     bad = {name: err for name, err in result["errs"].items() if not err <= tol}
     assert not bad, f"{case}: errors above {tol}: {bad} (all: {result['errs']})"
+
+
+@pytest.mark.parametrize("case", [c for c, spec in INTERPRETER_CASES.items() if spec[6].get("fused_bwd")])
+def test_triton_interpreter_fused_bwd_matches_split(interpreter_results, case):
+    (result,) = [r for r in interpreter_results if r.get("case") == case]
+    tol = TOL[INTERPRETER_CASES[case][5]]
+    P = INTERPRETER_CASES[case][4]
+    assert set(result["vs_split"]) == ({"dq", "dk", "dv", "dpk", "dpv"} if P else {"dq", "dk", "dv"})
+    # dK, dV come from the same kernel code either way; dQ differs only in the order of fp32 additions
+    bad = {name: err for name, err in result["vs_split"].items() if not err <= tol}
+    assert not bad, f"{case}: fused vs split above {tol}: {bad}"
+
+
+def test_kernel_config_list_round_trip():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from dataclasses import replace
+
+    from treepack.kernels.tree_attention import triton as tri
+
+    for cfg in (tri.GPU_DEFAULT, tri.PINNED, replace(tri.PINNED, fused_bwd=True)):
+        assert tri.KernelConfig.from_list(cfg.as_list()) == cfg
+    old = tri.PINNED.as_list()[:-1]  # a list written before fused_bwd existed
+    assert tri.KernelConfig.from_list(old) == tri.PINNED and not tri.KernelConfig.from_list(old).fused_bwd
+    assert tri.KernelConfig.from_list(replace(tri.PINNED, fused_bwd=True).as_list()).fused_bwd is True
 
 
 def test_triton_custom_op_registration(interpreter_results):

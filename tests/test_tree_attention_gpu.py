@@ -52,9 +52,13 @@ def _tri():
     return tri
 
 
-def _pinned():
+def _pinned(fused_bwd=False):
     # the GPU tile shapes without autotuning: tests run one fixed configuration
-    return replace(_tri().GPU_DEFAULT, autotune=False)
+    return replace(_tri().GPU_DEFAULT, autotune=False, fused_bwd=fused_bwd)
+
+
+# split backward (dQ kernel) and fused backward (dQ by atomics from the dK/dV kernel)
+FUSED = pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
 
 
 def _run(fn, inputs, dout):
@@ -99,27 +103,31 @@ def check_against_torch(subtree_end_T, H, K, D, P=0, dtype=torch.bfloat16, confi
     assert not failures, "; ".join(failures)
 
 
+@FUSED
 @pytest.mark.parametrize("tree", list(TREES))
 @pytest.mark.parametrize("D", [64, 128])
-def test_trees_bf16(tree, D):
+def test_trees_bf16(tree, D, fused):
     H, K = (4, 2) if tree == "random_32k" else (4, 4)
-    check_against_torch(TREES[tree](), H=H, K=K, D=D)
+    check_against_torch(TREES[tree](), H=H, K=K, D=D, config=_pinned(fused))
 
 
+@FUSED
 @pytest.mark.parametrize("tree", ["random_97", "random_1025", "star_500_siblings"])
-def test_fp16(tree):
-    check_against_torch(TREES[tree](), H=4, K=2, D=128, dtype=torch.float16)
+def test_fp16(tree, fused):
+    check_against_torch(TREES[tree](), H=4, K=2, D=128, dtype=torch.float16, config=_pinned(fused))
 
 
+@FUSED
 @pytest.mark.parametrize("heads", [(8, 1), (8, 2), (6, 3)])
-def test_gqa(heads):
-    check_against_torch(TREES["random_1025"](), H=heads[0], K=heads[1], D=128)
+def test_gqa(heads, fused):
+    check_against_torch(TREES["random_1025"](), H=heads[0], K=heads[1], D=128, config=_pinned(fused))
 
 
+@FUSED
 @pytest.mark.parametrize("P", [1, 100, 1000])
 @pytest.mark.parametrize("tree", ["random_97", "random_1025"])
-def test_prefix(P, tree):
-    check_against_torch(TREES[tree](), H=4, K=2, D=128, P=P)
+def test_prefix(P, tree, fused):
+    check_against_torch(TREES[tree](), H=4, K=2, D=128, P=P, config=_pinned(fused))
 
 
 def test_autotune_configs_are_each_correct():
@@ -137,10 +145,27 @@ def test_autotune_configs_are_each_correct():
         check_against_torch(TREES["random_1025"](), H=4, K=2, D=128, P=50, config=cfg, seed=i)
 
 
+@FUSED
 @pytest.mark.parametrize("tree", ["random_1025", "star_500_siblings", "padded_to_128"])
-def test_schedule_128x128(tree):
-    cfg = replace(_pinned(), sched_n=128)
+def test_schedule_128x128(tree, fused):
+    cfg = replace(_pinned(fused), sched_n=128)
     check_against_torch(TREES[tree](), H=4, K=2, D=128, P=30, config=cfg)
+
+
+def test_fused_bwd_dkdv_tiles_are_each_correct():
+    # the fused kernel runs cfg's dkdv tiles (never autotuned): each candidate tile, with a ragged prefix
+    for i, b in enumerate(_tri()._dkdv_configs()):
+        cfg = replace(
+            _pinned(fused_bwd=True), dkdv_block_n=b.kwargs["BLOCK_N1"], dkdv_block_m=b.kwargs["BLOCK_M1"],
+            dkdv_warps=b.num_warps, dkdv_stages=b.num_stages,
+        )
+        check_against_torch(TREES["random_1025"](), H=4, K=2, D=128, P=50, config=cfg, seed=i)
+
+
+def test_fused_bwd_with_autotune_on():
+    # autotune=True: forward autotuned, the fused dK/dV launch pinned (its dQ accumulator is not reset)
+    cfg = replace(_tri().GPU_DEFAULT, fused_bwd=True)
+    check_against_torch(TREES["random_1025"](), H=4, K=2, D=128, P=100, config=cfg)
 
 
 def test_autotuned_default_path():

@@ -128,11 +128,10 @@ def prepare(
     T, dev = subtree_end_T.numel(), subtree_end_T.device
     N, M = _cdiv(T, block_n), _cdiv(T, block_m)
     ragged = N * block_n - T
-    big = torch.iinfo(torch.int32).max
     kv_max_N = torch.nn.functional.pad(subtree_end_T, (0, ragged), value=0).view(N, block_n).amax(1)
-    kv_min_N = torch.nn.functional.pad(subtree_end_T, (0, ragged), value=big).view(N, block_n).amin(1)
-    if ragged:
-        kv_min_N[-1] = 0
+    # A ragged last block is padded with 0 so that its min is 0 (never full). No item assignment: writing
+    # a Python scalar into a CUDA tensor is a host-to-device copy that waits for the GPU's queue to drain.
+    kv_min_N = torch.nn.functional.pad(subtree_end_T, (0, ragged), value=0).view(N, block_n).amin(1)
     q0_M = torch.arange(M, device=dev, dtype=torch.int32) * block_m
     q_last_M = torch.clamp(q0_M + block_m, max=T) - 1
     k0_N = torch.arange(N, device=dev, dtype=torch.int32) * block_n

@@ -23,6 +23,14 @@ Backward: delta = rowsum(dO·O) (a small kernel), then two kernels, no atomics:
   dQ: in a tree the root key blocks are seen by every query block, so atomic dQ updates would pile onto
   the same rows from every dK/dV program. Deterministic results make the equivalence tests exact.
 
+Fused backward (``KernelConfig.fused_bwd``, off by default; FlashAttention-2's CUDA design): the dQ
+kernel is skipped and the dK/dV kernel also adds each tile's dQ share dS·K into a float32 [T, Hq, D]
+accumulator with ``tl.atomic_add`` (pack keys and prefix keys alike), cast to q's dtype (times scale) by
+torch afterwards: 5 matmuls instead of 7, for one fp32 atomic add per dQ element and visited (query block,
+key block) tile. Not deterministic (the order of the fp32 additions varies). Measured on an H200
+(benchmarks/attention_bwd.py): 0.96-1.13x the split backward's time, so the atomics cost about what the two
+saved matmuls did; it stays opt-in.
+
 Prefix (DFS mode): in the forward and dQ kernels a loop over P keys with only a bounds test; dK/dV of
 the prefix come from the dK/dV kernel in prefix mode (all T queries, full blocks only).
 
@@ -75,6 +83,8 @@ class KernelConfig:
 
     ``autotune`` lets Triton pick the forward / dQ query block and every kernel's warps, stages and the
     dK/dV tiles on GPU; the schedule blocks (``sched_m``, ``sched_n``) are fixed by the TreeMaskInfo.
+    ``fused_bwd`` computes dQ inside the dK/dV kernel (atomics; see the module docstring); that kernel
+    then runs the ``dkdv_*`` tiles as given, also under ``autotune``.
     """
 
     sched_m: int = 128  # queries per schedule row (prepare's block_m)
@@ -90,6 +100,9 @@ class KernelConfig:
     dkdv_warps: int = 8
     dkdv_stages: int = 3
     autotune: bool = True
+    # dQ by fp32 atomics from the dK/dV kernel instead of the dQ kernel; last, so that the lists of
+    # `as_list` written before it existed still load (it takes its default)
+    fused_bwd: bool = False
 
     def __post_init__(self):
         for name in ("sched_m", "sched_n", "fwd_block_m", "dq_block_m", "dkdv_block_n", "dkdv_block_m"):
@@ -106,7 +119,9 @@ class KernelConfig:
     @staticmethod
     def from_list(values: list[int]) -> KernelConfig:
         kw = {f.name: v for f, v in zip(fields(KernelConfig), values)}
-        kw["autotune"] = bool(kw["autotune"])
+        for name in ("autotune", "fused_bwd"):
+            if name in kw:
+                kw[name] = bool(kw[name])
         return KernelConfig(**kw)
 
 
@@ -237,12 +252,13 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _dkdv_steps(
-    dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, qb_lo, qb_hi, T, scale_log2,
-    stride_qt, stride_qh, stride_dot, stride_doh,
+    dk, dv, k, v, Q, DO, LSE, DELTA, DQ, h, offs_n, se, qb_lo, qb_hi, T, scale_log2,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK_TREE: tl.constexpr, MASK_ROWS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key block over query blocks [qb_lo, qb_hi) of head h (transposed tiles)."""
+    """Accumulate dK, dV of one key block over query blocks [qb_lo, qb_hi) of head h (transposed tiles).
+    ATOMIC_DQ: also add each tile's dS·K (unscaled) into the float32 accumulator DQ."""
     offs_d = tl.arange(0, HEAD_DIM)
     for qb in range(qb_lo, qb_hi):
         offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -266,21 +282,31 @@ def _dkdv_steps(
             pT = tl.where(visible, pT, 0.0)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PRECISION)
+        dsT = (pT * (dpT - delta[None, :])).to(qT.dtype)
+        dk += tl.dot(dsT, tl.trans(qT), input_precision=PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)  # [BLOCK_M, HEAD_DIM] fp32
+            dq_ptrs = DQ + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :]
+            # relaxed: nothing reads DQ before the kernel ends, only the sum matters
+            if MASK_ROWS:
+                tl.atomic_add(dq_ptrs, dq, mask=(offs_m < T)[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["N_KEYS"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, SE,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SE,
     scale, scale_log2, T, N_KEYS, T_BUCKET,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_dot, stride_doh, stride_dkt, stride_dkh,
+    stride_dqt, stride_dqh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-    IS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
+    IS_PREFIX: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dK, dV of one (kv head, key block). Tree mode: keys of the pack; prefix mode: N_KEYS = P keys seen
-    by all T queries. T_BUCKET (unused) is the autotuning key of T."""
+    by all T queries. T_BUCKET (unused) is the autotuning key of T. ATOMIC_DQ (the fused backward): also
+    add the tiles' dS·K into DQ (float32 [T, Hq, D], unscaled)."""
     hk = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_N1
     offs_n = k0 + tl.arange(0, BLOCK_N1)
@@ -294,21 +320,41 @@ def _bwd_dkdv_kernel(
     n_qb = tl.cdiv(T, BLOCK_M1)
     if IS_PREFIX:
         # Every query sees every prefix key: full blocks, a bounds test on rows of the last one only. A
-        # ragged prefix block holds zero keys past P, whose dK/dV rows are never stored.
+        # ragged prefix block holds zero keys past P, whose dK/dV rows are never stored. Their dQ share is
+        # not dropped so: p = 2^-lse of a zero key is unbounded (the cast of dS overflows fp16 to inf for
+        # lse < -16) and inf · 0 is NaN in dS·K. So with ATOMIC_DQ a ragged block (one program) runs the
+        # tree test as a key bounds test: position -1 for a key (T for padding), subtree end T.
         se = offs_n
         full_hi = T // BLOCK_M1
+        # Defined on both paths: Triton compiles both sides of `if ragged` (a runtime value once ATOMIC_DQ
+        # sets it), and the split kernel's side is never taken.
+        key_pos = tl.where(key_mask, -1, T)
+        key_end = tl.zeros([BLOCK_N1], tl.int32) + T
+        ragged = False
+        if ATOMIC_DQ:
+            ragged = k0 + BLOCK_N1 > N_KEYS
         for g in range(GROUP):
             h = hk * GROUP + g
-            dk, dv = _dkdv_steps(
-                dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, 0, full_hi, T, scale_log2,
-                stride_qt, stride_qh, stride_dot, stride_doh,
-                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=False, MASK_ROWS=False, PRECISION=PRECISION,
-            )
-            dk, dv = _dkdv_steps(
-                dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, full_hi, n_qb, T, scale_log2,
-                stride_qt, stride_qh, stride_dot, stride_doh,
-                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=False, MASK_ROWS=True, PRECISION=PRECISION,
-            )
+            if ragged:
+                dk, dv = _dkdv_steps(
+                    dk, dv, k, v, Q, DO, LSE, DELTA, DQ, h, key_pos, key_end, 0, n_qb, T, scale_log2,
+                    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                    HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=True, MASK_ROWS=True, ATOMIC_DQ=ATOMIC_DQ,
+                    PRECISION=PRECISION,
+                )
+            else:
+                dk, dv = _dkdv_steps(
+                    dk, dv, k, v, Q, DO, LSE, DELTA, DQ, h, offs_n, se, 0, full_hi, T, scale_log2,
+                    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                    HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=False, MASK_ROWS=False, ATOMIC_DQ=ATOMIC_DQ,
+                    PRECISION=PRECISION,
+                )
+                dk, dv = _dkdv_steps(
+                    dk, dv, k, v, Q, DO, LSE, DELTA, DQ, h, offs_n, se, full_hi, n_qb, T, scale_log2,
+                    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                    HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=False, MASK_ROWS=True, ATOMIC_DQ=ATOMIC_DQ,
+                    PRECISION=PRECISION,
+                )
     else:
         se = tl.load(SE + offs_n, mask=key_mask, other=0)
         se_max = tl.max(se, 0)
@@ -320,19 +366,22 @@ def _bwd_dkdv_kernel(
         for g in range(GROUP):
             h = hk * GROUP + g
             dk, dv = _dkdv_steps(
-                dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, qb_lo, full_lo, T, scale_log2,
-                stride_qt, stride_qh, stride_dot, stride_doh,
-                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=True, MASK_ROWS=True, PRECISION=PRECISION,
+                dk, dv, k, v, Q, DO, LSE, DELTA, DQ, h, offs_n, se, qb_lo, full_lo, T, scale_log2,
+                stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=True, MASK_ROWS=True, ATOMIC_DQ=ATOMIC_DQ,
+                PRECISION=PRECISION,
             )
             dk, dv = _dkdv_steps(
-                dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, full_lo, full_hi, T, scale_log2,
-                stride_qt, stride_qh, stride_dot, stride_doh,
-                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=False, MASK_ROWS=False, PRECISION=PRECISION,
+                dk, dv, k, v, Q, DO, LSE, DELTA, DQ, h, offs_n, se, full_lo, full_hi, T, scale_log2,
+                stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=False, MASK_ROWS=False, ATOMIC_DQ=ATOMIC_DQ,
+                PRECISION=PRECISION,
             )
             dk, dv = _dkdv_steps(
-                dk, dv, k, v, Q, DO, LSE, DELTA, h, offs_n, se, full_hi, qb_hi, T, scale_log2,
-                stride_qt, stride_qh, stride_dot, stride_doh,
-                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=True, MASK_ROWS=True, PRECISION=PRECISION,
+                dk, dv, k, v, Q, DO, LSE, DELTA, DQ, h, offs_n, se, full_hi, qb_hi, T, scale_log2,
+                stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M1, MASK_TREE=True, MASK_ROWS=True, ATOMIC_DQ=ATOMIC_DQ,
+                PRECISION=PRECISION,
             )
     out_offs = offs_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :]
     tl.store(DK + out_offs, (dk * scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
@@ -561,20 +610,33 @@ def _launch_delta(o_THD, do_THD):
     return delta_HT
 
 
-def _launch_dkdv(do_THD, q_THD, keys_NKD, values_NKD, lse_HT, delta_HT, subtree_end_T, scale, is_prefix, cfg):
-    """dK, dV of the pack's keys (is_prefix=False) or of the P prefix keys seen by all queries (True)."""
+def _launch_dkdv(
+    do_THD, q_THD, keys_NKD, values_NKD, lse_HT, delta_HT, subtree_end_T, scale, is_prefix, cfg, dq_acc_THD=None
+):
+    """dK, dV of the pack's keys (is_prefix=False) or of the P prefix keys seen by all queries (True).
+
+    With ``dq_acc_THD`` (float32 [T, Hq, D]; the fused backward) the kernel also adds its dS·K tiles into
+    it, unscaled. That launch is never autotuned: the autotuner's trials would add into the accumulator,
+    and its reset_to_zero would wipe what the pack launch added before the prefix launch (restore_value
+    would be correct but copies the accumulator inside every timed trial). It runs cfg's dkdv tiles.
+    """
     T, H, D = q_THD.shape
     n_keys, K = keys_NKD.shape[0], keys_NKD.shape[1]
     dk_NKD = torch.empty_like(keys_NKD)
     dv_NKD = torch.empty_like(values_NKD)
+    fused = dq_acc_THD is not None
+    dq = dq_acc_THD if fused else q_THD  # unused without ATOMIC_DQ
     args = (
-        q_THD, keys_NKD, values_NKD, do_THD, lse_HT, delta_HT, dk_NKD, dv_NKD, subtree_end_T,
+        q_THD, keys_NKD, values_NKD, do_THD, lse_HT, delta_HT, dk_NKD, dv_NKD, dq, subtree_end_T,
         scale, scale * LOG2E, T, n_keys, _t_bucket(T),
         q_THD.stride(0), q_THD.stride(1), keys_NKD.stride(0), keys_NKD.stride(1), do_THD.stride(0),
-        do_THD.stride(1), dk_NKD.stride(0), dk_NKD.stride(1),
+        do_THD.stride(1), dk_NKD.stride(0), dk_NKD.stride(1), dq.stride(0), dq.stride(1),
     )
-    const = {"GROUP": H // K, "HEAD_DIM": D, "IS_PREFIX": is_prefix, "PRECISION": _precision(q_THD.dtype)}
-    if cfg.autotune and not _interpreting():
+    const = {
+        "GROUP": H // K, "HEAD_DIM": D, "IS_PREFIX": is_prefix, "ATOMIC_DQ": fused,
+        "PRECISION": _precision(q_THD.dtype),
+    }
+    if cfg.autotune and not fused and not _interpreting():
         grid = lambda meta: (K, triton.cdiv(n_keys, meta["BLOCK_N1"]))
         _autotuned("dkdv")[grid](*args, **const)
     else:
@@ -624,15 +686,24 @@ def _launch_bwd(
 ):
     K, D = k_TKD.shape[1], k_TKD.shape[2]
     delta_HT = _launch_delta(o_THD, do_THD)
-    dk_TKD, dv_TKD = _launch_dkdv(do_THD, q_THD, k_TKD, v_TKD, lse_HT, delta_HT, subtree_end_T, scale, False, cfg)
+    # fused: dQ accumulated by the dK/dV launches (pack keys, then prefix keys) instead of the dQ kernel
+    dq_acc_THD = torch.zeros(q_THD.shape, device=q_THD.device, dtype=torch.float32) if cfg.fused_bwd else None
+    dk_TKD, dv_TKD = _launch_dkdv(
+        do_THD, q_THD, k_TKD, v_TKD, lse_HT, delta_HT, subtree_end_T, scale, False, cfg, dq_acc_THD
+    )
     if pk_PKD is not None and pk_PKD.shape[0]:
-        dpk_PKD, dpv_PKD = _launch_dkdv(do_THD, q_THD, pk_PKD, pv_PKD, lse_HT, delta_HT, subtree_end_T, scale, True, cfg)
+        dpk_PKD, dpv_PKD = _launch_dkdv(
+            do_THD, q_THD, pk_PKD, pv_PKD, lse_HT, delta_HT, subtree_end_T, scale, True, cfg, dq_acc_THD
+        )
     else:
         dpk_PKD, dpv_PKD = k_TKD.new_empty(0, K, D), v_TKD.new_empty(0, K, D)
-    dq_THD = _launch_dq(
-        do_THD, q_THD, k_TKD, v_TKD, pk_PKD, pv_PKD, lse_HT, delta_HT, subtree_end_T, kv_list_MN, kv_full_M,
-        kv_count_M, q_order_M, scale, cfg,
-    )
+    if cfg.fused_bwd:
+        dq_THD = dq_acc_THD.mul_(scale).to(q_THD.dtype)
+    else:
+        dq_THD = _launch_dq(
+            do_THD, q_THD, k_TKD, v_TKD, pk_PKD, pv_PKD, lse_HT, delta_HT, subtree_end_T, kv_list_MN, kv_full_M,
+            kv_count_M, q_order_M, scale, cfg,
+        )
     return dq_THD, dk_TKD, dv_TKD, dpk_PKD, dpv_PKD
 
 

@@ -6,9 +6,11 @@ time of a Qwen3-0.6B training step, three times the matmuls (benchmarks/results/
 Inductor fuses each region into a few kernels and saves fewer intermediates for backward.
 
 What is compiled: pure functions of tensors (the layer math in `model`, the loss chunks in `losses`), never
-modules or the attention call, so one compilation serves every layer, the tree kernel stays an opaque
-custom op, and dynamic shapes (``dynamic=True``) serve every pack and DFS chunk length without
-recompiling. The eager and compiled paths run the same function: CPU and float64 (the equivalence
+modules, so one compilation serves every layer, and dynamic shapes (``dynamic=True``) serve every pack and
+DFS chunk length without recompiling. With the Triton tree kernel the whole layer is one function, the
+kernel an opaque custom op inside it (`model.layer_with_tree_kernel`): one compiled call per layer instead
+of two plus an eager op, which is what a DFS walk of many small model calls pays for in host time. Other
+attention backends run between two compiled regions. The eager and compiled paths run the same function: CPU and float64 (the equivalence
 tests) stay eager; CUDA uses the compiled one unless the config says ``compile = "off"``.
 """
 
@@ -30,6 +32,12 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     return exc.BackendCompilerFailed, exc.Unsupported, exc.InternalTorchDynamoError
 
 
+def _recompile_limit_errors() -> tuple[type[BaseException], ...]:
+    from torch._dynamo import exc
+
+    return (exc.FailOnRecompileLimitHit,) if hasattr(exc, "FailOnRecompileLimitHit") else ()
+
+
 def compiled(fn: Callable) -> Callable:
     """The compiled twin of ``fn`` (built once, shared by every caller).
 
@@ -40,6 +48,7 @@ def compiled(fn: Callable) -> Callable:
     if out is None:
         fast = torch.compile(fn, dynamic=True, fullgraph=True)
         broken: list[BaseException] = []
+        over_limit: list[BaseException] = []
 
         @functools.wraps(fn)
         def out(*args, **kwargs):
@@ -47,6 +56,15 @@ def compiled(fn: Callable) -> Callable:
                 return fn(*args, **kwargs)
             try:
                 return fast(*args, **kwargs)
+            except _recompile_limit_errors() as error:
+                # One more input variant than Dynamo keeps compiled graphs for: this call runs eagerly,
+                # the variants already compiled stay compiled.
+                if not over_limit:
+                    over_limit.append(error)
+                    warnings.warn(f"torch.compile: {fn.__name__} has more input variants than "
+                                  "torch._dynamo.config.recompile_limit; running the others eagerly",
+                                  RuntimeWarning, stacklevel=2)
+                return fn(*args, **kwargs)
             except _compile_errors() as error:
                 broken.append(error)
                 first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -20,12 +20,12 @@ Memory. The path cache holds the longest path's K/V and their gradients: per tok
 ``layers x 2 x kv_heads x head_dim`` values, in the model dtype plus float32 for the gradient (Qwen3-0.6B
 in bf16: 112 KiB + 224 KiB per path token, 3.0 GiB for tau-bench's 9.4k-token path). The graph alive at
 once is one call's (``block_size`` tokens) plus the kept pieces (``keep_tokens``); it does not grow with
-the tree. Time. Each step is a full model call, so its host-side cost matters: ~40-60 ms of kernel
-launches per call for Qwen3-0.6B (28 layers, compiled elementwise regions), which a call of a few
-thousand tokens does not hide. On an H200 a tau-bench step took 1.33 s at B=8192 (11 calls) against
-1.21 s for tree mode in 3 packs, at 17 GiB instead of 43 GiB; subtree calls took synthetic tau2 (2 tasks)
-from 18 calls / 2.47 s to 15 / 1.62 s. Prefer the largest block the memory allows
-(benchmarks/results/2026-11-21-dfs.md).
+the tree. Time. Each step is a full model call, so its host-side cost matters: ~1,800 kernel launches
+per call for Qwen3-0.6B (28 layers, one compiled graph per layer), which a call of a few thousand tokens
+hides only if nothing makes the host wait for the GPU: the per-call path has no host sync
+(tests/test_host_sync_gpu.py). On an H200 a tau-bench step took 1.09-1.16 s at B=8192 (11 calls) against
+1.21-1.25 s for tree mode in 3 packs, at 17 GiB instead of 43 GiB; at B=4096 (12.7 GiB, 28 calls) it is
+host-bound, 1.6-2.2 s. Prefer the largest block the memory allows (benchmarks/results/2026-11-21-dfs.md).
 
 Legend: T pack tokens, C tokens of a step, X targets of a step, U target tokens of the pack, R loss
 rows, L layers, P cached path rows, K kv heads, E head dim, D hidden size.

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from treepack.errors import ConfigError
+from treepack.train.compiled import compiled as compiled_fn
 from treepack.train.compiled import pick, use_compiled
 
 FAMILIES = ("qwen3", "qwen2", "llama")
@@ -202,6 +203,15 @@ class ModelArgs:
 # Attention context: built once per forward, read by every layer
 
 
+@dataclass(frozen=True)
+class TritonSchedule:
+    """What the tree kernel's custom op takes besides q, k, v and the prefix: resolved once per forward, outside
+    the compiled layer, so the traced code is only tensor math and the op call."""
+
+    tensors: tuple[Tensor, ...]  # subtree_end, kv_list, kv_full, kv_count, q_order (blocks.TreeMaskInfo)
+    config: list[int]  # KernelConfig.as_list()
+
+
 @dataclass
 class AttentionContext:
     """Which keys each query sees, for one forward over T tokens (plus an optional cached prefix).
@@ -245,6 +255,38 @@ class AttentionContext:
         from treepack.kernels import chains_subtree_end
 
         return cls.tree(chains_subtree_end(lengths, device=device), impl)
+
+    def triton_schedule(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> TritonSchedule | None:
+        """The Triton kernel's inputs when this context runs it (a tree mask on CUDA, or on CPU under Triton's
+        interpreter with impl triton; a dtype and head dim it supports), else None: what lets a compiled layer
+        call the kernel itself. Built once per forward; free for a mask `prepare`d with the default blocks."""
+        from treepack.kernels import TreeMaskInfo
+        from treepack.kernels.tree_attention.api import (
+            TRITON_DTYPES,
+            TRITON_HEAD_DIMS,
+            _interpreting,
+            _triton_importable,
+        )
+
+        runs_triton = device.type == "cuda" or (device.type == "cpu" and _interpreting() and self.impl == "triton")
+        if self.kind != "tree" or self.impl not in ("auto", "triton") or not runs_triton:
+            return None
+
+        if not isinstance(self.mask, (TreeMaskInfo, Tensor)) or dtype not in TRITON_DTYPES or head_dim not in TRITON_HEAD_DIMS:
+            return None
+        if not _triton_importable():
+            return None
+        from treepack.kernels.tree_attention.triton import GPU_DEFAULT, PINNED, schedule_for
+
+        config = PINNED if _interpreting() else GPU_DEFAULT
+        mask_T = self.mask.subtree_end_T if isinstance(self.mask, TreeMaskInfo) else self.mask
+        if mask_T.shape[0] <= max(config.sched_m, config.sched_n):
+            return None  # one schedule block: Dynamo would specialise (recompile) for its size-1 tables
+        info = schedule_for(self.mask, config)
+        return TritonSchedule(
+            tensors=(info.subtree_end_T, info.kv_list_MN, info.kv_full_M, info.kv_count_M, info.q_order_M),
+            config=config.as_list(),
+        )
 
     def attend(self, q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, prefix: KV | None) -> Tensor:
         if self.kind == "tree":
@@ -437,11 +479,27 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x_TD: Tensor, cos_TE: Tensor, sin_TE: Tensor, attn: AttentionContext,
-                past: KV | None, compiled: bool = False) -> tuple[Tensor, KV]:
-        """Two elementwise-heavy regions (compiled on CUDA) around the attention call, which stays eager."""
+                past: KV | None, compiled: bool = False, schedule: TritonSchedule | None = None
+                ) -> tuple[Tensor, KV]:
+        """Compiled with the Triton tree kernel (``schedule`` given): the whole layer is one compiled graph
+        with the kernel's custom op inside it. Otherwise two elementwise-heavy regions (compiled on CUDA)
+        around the attention call, which stays eager."""
         a, m = self.self_attn, self.mlp
         q_norm_w = a.q_norm.weight if a.q_norm is not None else None
         k_norm_w = a.k_norm.weight if a.k_norm is not None else None
+        if past is not None and past[0].shape[0] == 0:
+            past = None
+        if compiled and schedule is not None and (past is None or past[0].shape[0] > 1):  # P = 1: a recompile
+            x_TD, k_TKE, v_TKE = compiled_fn(layer_with_tree_kernel)(
+                x_TD, self.input_layernorm.weight, self.input_layernorm.eps,
+                a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+                q_norm_w, k_norm_w, cos_TE, sin_TE, a.num_heads, a.num_kv_heads, a.head_dim,
+                None if past is None else past[0], None if past is None else past[1], schedule.tensors,
+                schedule.config, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
+                self.post_attention_layernorm.eps, m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight,
+                m.up_proj.bias, m.down_proj.weight, m.down_proj.bias,
+            )
+            return x_TD, (k_TKE, v_TKE)
         q_THE, k_TKE, v_TKE = pick(attention_inputs, compiled)(
             x_TD, self.input_layernorm.weight, self.input_layernorm.eps,
             a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
@@ -484,6 +542,27 @@ def attention_output_and_mlp(x_TD: Tensor, o_THE: Tensor, o_w: Tensor, o_b: Tens
     x_TD = x_TD + F.linear(o_THE.reshape(x_TD.shape[0], -1), o_w, o_b)
     h_TD = rms_norm(x_TD, norm_w_D, eps)
     return x_TD + F.linear(F.silu(F.linear(h_TD, gate_w, gate_b)) * F.linear(h_TD, up_w, up_b), down_w, down_b)
+
+
+def layer_with_tree_kernel(x_TD: Tensor, norm_w_D: Tensor, eps: float, q_w: Tensor, q_b: Tensor | None, k_w: Tensor,
+                           k_b: Tensor | None, v_w: Tensor, v_b: Tensor | None, q_norm_w: Tensor | None,
+                           k_norm_w: Tensor | None, cos_TE: Tensor, sin_TE: Tensor, H: int, K: int, E: int,
+                           prefix_k: Tensor | None, prefix_v: Tensor | None, schedule: tuple[Tensor, ...],
+                           config: list[int], o_w: Tensor, o_b: Tensor | None, post_norm_w_D: Tensor,
+                           post_eps: float, gate_w: Tensor, gate_b: Tensor | None, up_w: Tensor,
+                           up_b: Tensor | None, down_w: Tensor, down_b: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """A whole decoder layer around the Triton tree kernel's custom op, for one compiled graph per layer call
+    (forward and backward) instead of two regions plus an eager op: a third of the host time per layer,
+    which is what a DFS walk of many small model calls is bound by. Same math as the split path."""
+    q_THE, k_TKE, v_TKE = attention_inputs(x_TD, norm_w_D, eps, q_w, q_b, k_w, k_b, v_w, v_b, q_norm_w, k_norm_w,
+                                           cos_TE, sin_TE, H, K, E)
+    if prefix_k is not None:
+        prefix_k, prefix_v = prefix_k.to(v_TKE.dtype).contiguous(), prefix_v.to(v_TKE.dtype).contiguous()
+    o_THE, _ = torch.ops.treepack.tree_attention_fwd(q_THE.contiguous(), k_TKE.contiguous(), v_TKE.contiguous(),
+                                                     prefix_k, prefix_v, *schedule, 1.0 / math.sqrt(E), config)
+    x_TD = attention_output_and_mlp(x_TD, o_THE, o_w, o_b, post_norm_w_D, post_eps, gate_w, gate_b, up_w, up_b,
+                                    down_w, down_b)
+    return x_TD, k_TKE, v_TKE
 
 
 class DecoderBody(nn.Module):
@@ -541,15 +620,19 @@ class Decoder(nn.Module):
         x_TD = self.model.embed_tokens(input_ids_T)
         cos_TE, sin_TE = rope_cos_sin(self.args, position_ids_T, x_TD.dtype)
         compiled = self.uses_compiled(x_TD.device)
+        schedule = None
+        if compiled and x_TD.shape[0] > 0:
+            dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else self.dtype
+            schedule = attn.triton_schedule(x_TD.device, dtype, self.args.head_dim)
         kv_out: list[KV] = []
         for i, layer in enumerate(self.model.layers):
             past = None if past_kv is None else past_kv[i]
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x_TD, kv = checkpoint(
-                    layer, x_TD, cos_TE, sin_TE, attn, past, compiled, use_reentrant=False
+                    layer, x_TD, cos_TE, sin_TE, attn, past, compiled, schedule, use_reentrant=False
                 )
             else:
-                x_TD, kv = layer(x_TD, cos_TE, sin_TE, attn, past, compiled)
+                x_TD, kv = layer(x_TD, cos_TE, sin_TE, attn, past, compiled, schedule)
             if return_kv:
                 kv_out.append(kv)
         return DecoderOutput(hidden_TD=self.model.norm(x_TD), kv=kv_out)
