@@ -34,7 +34,10 @@ bench-packing: install
 
 # Needs a CUDA machine: attention kernel and training-step benchmarks.
 bench-gpu: install
-	$(PY) benchmarks/attention.py
+	$(PY) benchmarks/attention.py --out benchmarks/results/$$(date +%F)-attention.md
+	for w in tau2 tau2-think agentic-think tau-bench; do \
+		$(PY) benchmarks/attention.py --no-sweep --workload $$w --out benchmarks/results/$$(date +%F)-attention-$$w.md || exit 1; \
+	done
 	$(PY) benchmarks/attention_bwd.py --out benchmarks/results/$$(date +%F)-attention-bwd.md
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/dfs.py --out benchmarks/results/$$(date +%F)-dfs.md

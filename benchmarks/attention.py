@@ -20,10 +20,13 @@ tree/triton TFLOP/s >= 85% of the dense causal kernel's.
 Trees: a self-contained generator shaped like multi-turn agent rollouts (a long shared system prompt,
 tasks with a prompt and a group of samples, turns of assistant output and tool results where groups of
 samples keep sharing turns and split at turn boundaries), filled up to the pack capacity and padded to
-a multiple of 128; or ``--subtree-end-npy FILE`` (an int32 [T] array, e.g. a pack of `treepack pack`,
-with ``--paths-npy`` for its sequences' path lengths if the dense baselines should run).
+a multiple of 128; or ``--workload`` tau2 | tau2-think | agentic-think (`treepack.datasets.synth` presets)
+| tau-bench (the bundled real slice): the first pack of treepack's own packing at ``--tokens``; or
+``--subtree-end-npy FILE`` (an int32 [T] array, e.g. a pack of `treepack pack`). The dense baselines of a
+pack run its root-to-leaf paths (a sequence that is a prefix of another is not run twice).
 
-Usage: python benchmarks/attention.py [--tokens 32768] [--seed 0] [--out results.md] [--quick]
+Usage: python benchmarks/attention.py [--workload agent|tau2|tau2-think|agentic-think|tau-bench]
+           [--tokens 32768] [--seed 0] [--out results.md] [--quick]
 """
 
 from __future__ import annotations
@@ -117,6 +120,39 @@ def agent_pack(capacity: int, spec: TreeSpec, rng: np.random.Generator):
     subtree_end = np.concatenate([subtree_end, np.arange(T_real + 1, T + 1)]).astype(np.int32)
     token_paths = [np.concatenate([np.arange(starts[s], starts[s] + segs[s]) for s in p]) for p in paths]
     return subtree_end, token_paths
+
+
+WORKLOADS = ("agent", "tau2", "tau2-think", "agentic-think", "tau-bench")
+
+
+def workload_subtree_end(name: str, capacity: int, seed: int) -> np.ndarray:
+    """subtree_end (int32, real tokens only) of the first pack that treepack packs from a workload at
+    ``capacity`` tree tokens: a synth preset (enough tasks to fill it) or the bundled tau-bench slice."""
+    import os
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from treepack.rollouts import read_rollouts
+    from treepack.train.data import pack_rollouts
+
+    if name == "tau-bench":
+        rollouts = read_rollouts([str(ROOT / "datasets" / "samples" / "tau_bench_slice.parquet")])
+    else:
+        from treepack.datasets import synth
+
+        kind, overrides = {"tau2": ("tau2", {}), "tau2-think": ("tau2", {"think": True}),
+                           "agentic-think": ("agentic-think", {})}[name]
+        tasks = max(2, capacity // 4096)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, f"{name}.parquet")
+            pq.write_table(synth.generate(kind, tasks, seed=seed, **overrides), path)
+            rollouts = read_rollouts([path])
+    fits = np.flatnonzero(rollouts.lengths <= capacity)
+    if len(fits) < len(rollouts):
+        print(f"{name}: {len(rollouts) - len(fits)} of {len(rollouts)} sequences are longer than {capacity} tokens: left out")
+    pack = next(pack_rollouts(rollouts.select(fits), capacity))
+    return np.asarray(pack.subtree_end[: pack.n_real], dtype=np.int32)
 
 
 def paths_from_subtree_end(subtree_end: np.ndarray) -> list[np.ndarray]:
@@ -280,6 +316,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, nargs="+", default=[16, 8])
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--workload", default="agent", choices=WORKLOADS,
+                    help="agent: this script's generator; others: the first pack treepack packs from them")
     ap.add_argument("--subtree-end-npy", type=Path, help="int32 [T] subtree_end of a pack to use instead")
     ap.add_argument("--skip", nargs="*", default=[], help="runners to skip: flex, varlen, sdpa, dense-triton")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
@@ -304,6 +342,10 @@ def main() -> None:
         subtree_end = np.load(args.subtree_end_npy).astype(np.int32)
         paths = paths_from_subtree_end(subtree_end)
         source = f"--subtree-end-npy {args.subtree_end_npy.name}"
+    elif args.workload != "agent":
+        subtree_end = workload_subtree_end(args.workload, args.tokens, args.seed)
+        paths = paths_from_subtree_end(subtree_end)
+        source = f"first pack of {args.workload} at capacity {args.tokens} (seed {args.seed})"
     else:
         spec = TreeSpec(system=args.system)
         subtree_end, paths = agent_pack(args.tokens, spec, rng)

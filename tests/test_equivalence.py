@@ -155,14 +155,14 @@ def test_other_families_and_tied_head(family, tie):
 
 def test_forest_split_matches_single_call(model, monkeypatch):
     """Independent trees of a pack run as separate reference calls: identical results."""
-    import treepack.train.model as model_mod
+    import treepack.train.attention as attention_mod
 
     seqs = [[i % 4] + s for i, s in enumerate(random_sequences(np.random.default_rng(11), 12))]
     pack = make_pack(seqs, 11)  # four trees: the root token is the group
     objective = Objective("sft", "token")
     _, logp_one, g_one = run(model, [pack], "tree", objective)
-    monkeypatch.setattr(model_mod, "SEGMENT_MIN_TOKENS", 4)
-    ctx = model_mod.AttentionContext.tree(torch.as_tensor(pack.subtree_end), "reference")
+    monkeypatch.setattr(attention_mod, "SEGMENT_MIN_TOKENS", 4)
+    ctx = attention_mod.AttentionContext.tree(torch.as_tensor(pack.subtree_end), "reference")
     assert len(ctx.segments) >= 2
     _, logp_split, g_split = run(model, [pack], "tree", objective, attention="reference")
     assert torch.allclose(logp_one, logp_split, rtol=0, atol=1e-13)

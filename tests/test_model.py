@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from treepack.errors import ConfigError
-from treepack.train.model import AttentionContext, Decoder, ModelArgs
+from treepack.train.attention import AttentionContext
+from treepack.train.model import Decoder, ModelArgs
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
@@ -143,7 +144,7 @@ def test_cached_prefix_forward_equals_full_forward():
 
 
 def test_causal_chunks_and_kernel_chains_agree(monkeypatch):
-    import treepack.train.model as model_mod
+    import treepack.train.attention as attention_mod
 
     args = ModelArgs.for_family("llama", vocab_size=30, hidden_size=32, intermediate_size=48, num_layers=1,
                                 num_heads=4, num_kv_heads=2, head_dim=8)
@@ -153,11 +154,11 @@ def test_causal_chunks_and_kernel_chains_agree(monkeypatch):
     pos = torch.cat([torch.arange(n) for n in lengths])
     one = m(ids, pos, AttentionContext.causal(lengths)).hidden_TD
     chains = m(ids, pos, AttentionContext.causal(lengths, impl="reference")).hidden_TD
-    monkeypatch.setattr(model_mod, "CAUSAL_SCORE_BUDGET", 4 * 3)  # 3 queries per SDPA call
+    monkeypatch.setattr(attention_mod, "CAUSAL_SCORE_BUDGET", 4 * 3)  # 3 queries per SDPA call
     chunked = m(ids, pos, AttentionContext.causal(lengths)).hidden_TD
     assert torch.allclose(one, chains, rtol=0, atol=1e-13) and torch.allclose(one, chunked, rtol=0, atol=1e-13)
     g1 = torch.autograd.grad(chunked.square().sum(), m.model.layers[0].self_attn.q_proj.weight)[0]
-    monkeypatch.setattr(model_mod, "CAUSAL_SCORE_BUDGET", 1 << 24)
+    monkeypatch.setattr(attention_mod, "CAUSAL_SCORE_BUDGET", 1 << 24)
     g0 = torch.autograd.grad(m(ids, pos, AttentionContext.causal(lengths)).hidden_TD.square().sum(),
                              m.model.layers[0].self_attn.q_proj.weight)[0]
     assert torch.allclose(g0, g1, rtol=0, atol=1e-12)

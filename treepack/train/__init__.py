@@ -2,6 +2,8 @@
 
 - ``config``: the TOML config as nested dataclasses (``treepack train config.toml``);
 - ``model``: Qwen3 / Qwen2 / Llama decoder driven by ``position_ids`` and an ``AttentionContext``;
+- ``attention``: ``AttentionContext``, which keys each query sees (tree mask or causal) and the call;
+- ``compiled``: ``torch.compile`` of the layer math and the loss chunks on CUDA;
 - ``losses``: per-(sequence, token) rows, SFT and GRPO/PPO-clip, global-batch normalisation;
 - ``modes``: ``dense`` (each sequence separately) and ``tree`` (one pass per pack); ``dfs`` in ``dfs``;
 - ``data``: packs from shard directories or rollouts packed on the fly, global batches;

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from treepack.errors import ConfigError
 from treepack.layout import Pack
+from treepack.train.attention import KV, AttentionContext
 from treepack.train.dfs_schedule import (
     ORDERS,
     Schedule,
@@ -46,7 +47,7 @@ from treepack.train.dfs_schedule import (
     plan,
 )
 from treepack.train.losses import BatchTotals, LossRows, Objective, target_logprobs, token_weights_fast
-from treepack.train.model import KV, AttentionContext, Decoder
+from treepack.train.model import Decoder
 from treepack.train.modes import LayoutError, Mode, ModeResult, _row_dtype
 
 # --------------------------------------------------------------------------------------------------

@@ -30,8 +30,9 @@ from torch import Tensor
 
 from treepack.errors import ConfigError, TreepackError
 from treepack.layout import Pack
+from treepack.train.attention import AttentionContext
 from treepack.train.losses import BatchTotals, LossRows, Objective, target_logprobs, token_weights_fast
-from treepack.train.model import AttentionContext, Decoder
+from treepack.train.model import Decoder
 
 MODES = ("dense", "tree", "dfs")
 
