@@ -133,7 +133,7 @@ def workload_subtree_end(name: str, capacity: int, seed: int) -> np.ndarray:
 
     import pyarrow.parquet as pq
 
-    from treepack.rollouts import read_rollouts
+    from treepack.ingest import read_rollouts
     from treepack.train.data import pack_rollouts
 
     if name == "tau-bench":

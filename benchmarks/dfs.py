@@ -53,8 +53,9 @@ AREAL_DTA = {"seconds": 1.97, "gib": 13.4}  # AReaL-DTA's code on tau-bench 144 
 
 
 
+from treepack.ingest import read_rollouts
 from treepack.layout import Pack, build_pack
-from treepack.rollouts import Rollouts, read_rollouts
+from treepack.rollouts import Rollouts
 from treepack.train.data import dense_batches, leaf_sequences, pack_rollouts
 from treepack.train.dfs import DfsMode, merge_work
 from treepack.train.losses import BatchTotals, LossRows, Objective

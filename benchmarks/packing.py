@@ -47,7 +47,7 @@ BUNDLED_REAL = ROOT / "datasets" / "samples" / "tau_bench_slice.parquet"
 def load_synth(kind: str, n: int, overrides: dict, tmp: Path, seed: int = 0):
     from treepack.datasets import synth
 
-    from treepack.rollouts import read_rollouts
+    from treepack.ingest import read_rollouts
 
     path = tmp / f"{kind}-{n}-{'-'.join(overrides)}.parquet"
     synth.write(kind, n, path, seed=seed, **overrides)
@@ -149,8 +149,8 @@ def big_timing(kind: str, overrides: dict, tokens: int, tmp: Path) -> dict:
     """Tree build + each strategy at 60k on ~``tokens`` tokens of a synth kind (read time reported apart)."""
     from treepack.datasets import synth
 
+    from treepack.ingest import read_rollouts
     from treepack.packing import pack_sequences
-    from treepack.rollouts import read_rollouts
     from treepack.tree import PrefixTree
 
     probe = synth.generate(kind, 32, seed=1, **overrides)
@@ -186,7 +186,7 @@ def main() -> None:
     import pyarrow
 
     from treepack import __version__
-    from treepack.rollouts import read_rollouts
+    from treepack.ingest import read_rollouts
     from treepack.sizes import parse_size
 
     started = time.perf_counter()

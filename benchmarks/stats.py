@@ -74,7 +74,7 @@ import json, time
 t0 = time.perf_counter()
 import treepack.cli.app  # everything ``treepack stats`` imports before it reads
 t1 = time.perf_counter()
-from treepack.rollouts import read_rollouts
+from treepack.ingest import read_rollouts
 from treepack.stats import compute_stats
 from treepack.tree import PrefixTree
 r = read_rollouts(sys.argv[1], keep_token_fields=False)
@@ -181,7 +181,7 @@ def main() -> None:
         rss = max(r[1] for r in runs)
         stages = stage_seconds(path, args.repeat)
         base_tps, base_tokens, base_trie, base_seqs = dict_trie_tokens_per_s(path, parse_size(args.baseline_tokens), 3)
-        from treepack.rollouts import read_rollouts
+        from treepack.ingest import read_rollouts
 
         decoded = read_rollouts(path, keep_token_fields=False)
         build_tps, _ = build_tokens_per_s(decoded, args.repeat)

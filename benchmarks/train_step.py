@@ -106,8 +106,9 @@ _import_treepack()
 import torch
 
 from treepack.errors import TreepackError
+from treepack.ingest import read_rollouts
 from treepack.layout import Pack
-from treepack.rollouts import Rollouts, read_rollouts
+from treepack.rollouts import Rollouts
 from treepack.sizes import parse_size
 from treepack.stats import MODEL_SHAPES, ModelShape
 from treepack.train import losses

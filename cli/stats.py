@@ -12,9 +12,10 @@ from rich.table import Table
 from treepack.cli.common import check_choice, console, err_console, handle_errors
 
 from treepack.errors import InputError, TreepackError
+from treepack.ingest import expand_paths, read_rollouts
 from treepack.packing import OVERSIZE, STRATEGIES, pack_sequences
 from treepack.packing import compare_strategies as compare_strategies_of
-from treepack.rollouts import Rollouts, expand_paths, read_rollouts
+from treepack.rollouts import Rollouts
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES, Gate, TreeStats, compute_stats
 from treepack.tree import PrefixTree
 

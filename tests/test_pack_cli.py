@@ -7,7 +7,7 @@ import json
 import pytest
 from cli_helpers import run
 
-from treepack.rollouts import read_rollouts
+from treepack.ingest import read_rollouts
 from treepack.shards import read_manifest, read_packs
 
 RECS = [

@@ -15,8 +15,9 @@ from strategies import rollouts_from, sequence_lists
 
 from treepack import packing
 from treepack.errors import CapacityError, TreepackError
+from treepack.ingest import read_rollouts
 from treepack.packing import STRATEGIES, Packing, pack_sequences
-from treepack.rollouts import Source, read_rollouts
+from treepack.rollouts import Source
 from treepack.tree import PrefixTree
 
 # the real rollouts (tau-bench, ToolBench, GSM8K, hh-rlhf) next to the repository, and the bundled tau-bench slice

@@ -17,9 +17,9 @@ from strategies import rollouts_from, sequence_lists
 
 from treepack import plots, tree_figure
 from treepack.errors import InputError
+from treepack.ingest import read_rollouts
 from treepack.packing import pack_sequences
 from treepack.report import build_report, compare_strategies
-from treepack.rollouts import read_rollouts
 from treepack.tree import PrefixTree
 
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "datasets" / "samples"

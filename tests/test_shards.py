@@ -17,8 +17,9 @@ from strategies import rollouts_from, sequence_lists
 
 from treepack.balance import balance_packs, pack_costs, split_contiguous
 from treepack.errors import InputError, TreepackError
+from treepack.ingest import read_rollouts
 from treepack.packing import pack_sequences
-from treepack.rollouts import Rollouts, read_rollouts
+from treepack.rollouts import Rollouts
 from treepack.shards import (
     SCHEMA_VERSION,
     parse_shard_size,

@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from treepack.errors import CapacityError, ConfigError, InputError
+from treepack.ingest import read_rollouts
 from treepack.layout import Pack, build_pack
-from treepack.rollouts import Rollouts, _ranges, read_rollouts
+from treepack.rollouts import Rollouts, _ranges
 from treepack.tree import PrefixTree, scope_codes
 
 
