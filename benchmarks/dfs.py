@@ -10,8 +10,11 @@ steps; the median time and the largest ``torch.cuda.max_memory_allocated`` are r
 Modes, all over the same sequences, sharing one forest per workload (no ``tree_id`` scoping, so the
 system prompt is shared across tasks):
 - ``dfs``: `DfsMode` on one pack holding the whole workload (its memory does not grow with the tree);
-- ``tree``: `TreeMode` on the packs of ``pack_rollouts`` at ``--capacity`` tree tokens (a tree larger
-  than the capacity is split into runs of sequences, repeating their shared prefixes in each pack);
+- ``tree``: `TreeMode` on the packs of ``pack_rollouts`` at each ``--capacity`` (tree tokens; a tree larger
+  than the capacity is split into runs of sequences, repeating their shared prefixes in each pack). A
+  pack's capacity is its memory bound, as a block is dfs's: ``--capacity 16384,32768`` with ``--dfs
+  16384,8192`` compares the two at matched and at unequal memory. The "vs tree, same memory" column
+  divides by the fastest tree run whose peak memory is at least the row's (none: "-");
 - ``dense``: every sequence, micro-batches of whole sequences up to ``--dense-tokens`` flat tokens;
 - ``dense-leaf``: the same over the leaf sequences only (duplicates and prefix-of-another dropped: the
   strongest simple baseline).
@@ -23,8 +26,8 @@ one tree pack, one that must be split, and a comb of dropped reasoning.
 
 Targets (issue 6): dfs peak memory <= dense's peak + the K/V of the longest path; dfs throughput >= 80%
 of tree where the tree fits one pack and above tree where it must split; on tau-bench (144 records,
-Qwen3-0.6B shape, bf16) >= 2x AReaL-DTA's code (1.97 s/step at 13.4 GiB on an H200) and faster than
-dense-leaf.
+Qwen3-0.6B shape, bf16) >= 2x AReaL-DTA's code at no more memory (1.97 s/step at 13.4 GiB, or 1.71 s at
+20.4 GiB, on an H200) and faster than dense-leaf.
 
 Usage (with treepack installed, ``pip install -e .``):
     python benchmarks/dfs.py --plan-only                      # CPU: dfs accounting only, no model
@@ -49,7 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "datasets" / "samples" / "tau_bench_slice.parquet"
 WORKLOADS = ("tau-bench", "tau2-fits", "tau2-split", "tau2-think")
 MODES = ("dfs", "tree", "dense", "dense-leaf")
-AREAL_DTA = {"seconds": 1.97, "gib": 13.4}  # AReaL-DTA's code on tau-bench 144 records, measured on an H200
+# AReaL-DTA's code on tau-bench 144 records, measured on an H200 (issue 6): block 2048 and block 4096
+AREAL_DTA = ({"seconds": 1.97, "gib": 13.4, "block": 2048}, {"seconds": 1.71, "gib": 20.4, "block": 4096})
 
 
 
@@ -106,10 +110,14 @@ def workload(name: str, args) -> Rollouts:
 
 
 def batches(r: Rollouts, args) -> dict[str, list[Pack]]:
+    """The packs of each mode; tree mode once per capacity, under "tree" (the first) and "tree C=<capacity>"."""
     whole = build_pack(r)
+    capacities = args.capacity if isinstance(args.capacity, list) else [args.capacity]
+    trees = {f"tree C={c}": list(pack_rollouts(r, c)) for c in capacities}
     return {
         "dfs": [whole],
-        "tree": list(pack_rollouts(r, args.capacity)),
+        "tree": trees[f"tree C={capacities[0]}"],
+        **trees,
         "dense": dense_batches(r, np.arange(len(r)), args.dense_tokens),
         "dense-leaf": dense_batches(r, leaf_sequences(r), args.dense_tokens),
     }
@@ -193,6 +201,7 @@ def run_gpu(args) -> None:
                                 device=dev, draw_on_device=True)
     init_s = time.perf_counter() - t0
     model.compile = args.compile
+    model.activation_memory_budget = args.activation_memory_budget
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     objective = Objective(kind="grpo")
     per_token = kv_bytes_per_token(margs)
@@ -210,7 +219,8 @@ def run_gpu(args) -> None:
         (f"Model: {args.model} shape ({margs.num_layers} layers, hidden {margs.hidden_size}, {margs.num_heads} q / "
          f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), random init, "
          f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
-         f"token-mean; attention {args.attention}; tree capacity {args.capacity:,}; dense micro-batches <= "
+         f"token-mean; attention {args.attention}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
+         f"dense micro-batches <= "
          f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
         f"Command: `python benchmarks/dfs.py {_argv_without_dirs(sys.argv[1:])}` (model init {init_s:.0f} s).",
         "",
@@ -236,24 +246,32 @@ def run_gpu(args) -> None:
         leaf_tokens = sum(int(p.seq_offsets[-1]) for p in groups["dense-leaf"])
         out_text += (f"\n## {name}: {len(r)} sequences, N_tree {n_tree:,}, N_flat {n_flat:,}, dense-leaf tokens "
                      f"{leaf_tokens:,}, longest path {longest:,} (its K/V: {longest * per_token / 2**30:.2f} GiB)\n\n"
-                     "| mode | packs | s/step | tree tok/s | vs tree | vs dense-leaf | peak GiB | anchor | calls "
-                     "| peak graph tokens |\n|---|---|---|---|---|---|---|---|---|---|\n")
+                     "| mode | packs | s/step | tree tok/s | vs tree, same memory | vs dense-leaf | peak GiB | anchor "
+                     "| calls | peak graph tokens |\n|---|---|---|---|---|---|---|---|---|---|\n")
         results = {}
         for mode_name in args.modes:
             if mode_name == "dense" and n_flat > args.dense_max_flat:
                 results[mode_name] = {"skipped": f"N_flat {n_flat:,} > --dense-max-flat"}
                 continue
             variants = args.dfs if mode_name == "dfs" else [(None, 0)]
+            if mode_name == "tree":
+                variants = [(c, 0) for c in args.capacity]
             for block, keep in variants:
-                label = mode_name if mode_name != "dfs" else f"dfs B={block or 'inf'}" + (f" keep={keep}" if keep else "")
+                if mode_name == "dfs":
+                    label = f"dfs B={block or 'inf'}" + (f" keep={keep}" if keep else "")
+                else:
+                    label = f"tree C={block}" if mode_name == "tree" else mode_name
                 mode = make_mode(mode_name.removesuffix("-leaf"), attention=None if mode_name.startswith("dense") else args.attention,
-                                 dfs_block_size=block, dfs_keep_tokens=keep, chunk_rows=args.logits_chunk,
-                                 dfs_subtree_calls=not args.walk)
-                results[label] = measure(model, groups[mode_name], mode, objective, args.repeats)
-                results[label]["packs"] = len(groups[mode_name])
+                                 dfs_block_size=block if mode_name == "dfs" else None, dfs_keep_tokens=keep,
+                                 chunk_rows=args.logits_chunk, dfs_subtree_calls=not args.walk)
+                packs = groups[label if mode_name == "tree" else mode_name]
+                results[label] = measure(model, packs, mode, objective, args.repeats)
+                results[label]["packs"] = len(packs)
                 print(label, {k: v for k, v in results[label].items() if k != "work"}, flush=True)
-        tree_s = results.get("tree", {}).get("seconds")
         leaf_s = results.get("dense-leaf", {}).get("seconds")
+        trees = [res for label, res in results.items() if label.startswith("tree") and "seconds" in res]
+
+
         for label, res in results.items():
             if "seconds" not in res:
                 why = "out of memory" if res.get("oom") else res.get("skipped", "")
@@ -261,22 +279,37 @@ def run_gpu(args) -> None:
                 continue
             w = res["work"]
             out_text += (f"| {label} | {res['packs']} | {res['seconds']:.3f} | {n_tree / res['seconds'] / 1e3:,.1f}k "
-                         f"| {tree_s / res['seconds'] if tree_s else float('nan'):.2f}x "
-                         f"| {leaf_s / res['seconds'] if leaf_s else float('nan'):.2f}x | {res['peak'] / 2**30:.2f} "
+                         f"| {_vs_tree_same_memory(res, trees)} "
+                         f"| {_ratio(leaf_s, res['seconds'])} | {res['peak'] / 2**30:.2f} "
                          f"| {w['anchor_share']:.1%} | {w['model_calls']} | {w['peak_graph_tokens']:,} |\n"
                          if "anchor_share" in w else
                          f"| {label} | {res['packs']} | {res['seconds']:.3f} | {n_tree / res['seconds'] / 1e3:,.1f}k "
-                         f"| {tree_s / res['seconds'] if tree_s else float('nan'):.2f}x "
-                         f"| {leaf_s / res['seconds'] if leaf_s else float('nan'):.2f}x | {res['peak'] / 2**30:.2f} "
+                         f"| {_vs_tree_same_memory(res, trees)} "
+                         f"| {_ratio(leaf_s, res['seconds'])} | {res['peak'] / 2**30:.2f} "
                          f"| | | |\n")
         if name == "tau-bench" and len(r) == 144:
-            best = min((res["seconds"], label) for label, res in results.items()
-                       if label.startswith("dfs") and "seconds" in res)
-            out_text += (f"\nAReaL-DTA's code on these 144 records: {AREAL_DTA['seconds']} s/step at "
-                         f"{AREAL_DTA['gib']} GiB (H200); best dfs here {best[1]}: {AREAL_DTA['seconds'] / best[0]:.2f}x.\n")
+            out_text += "\n"
+            for ref in AREAL_DTA:
+                runs = [(res["seconds"], label, res["peak"]) for label, res in results.items()
+                        if label.startswith("dfs") and "seconds" in res and res["peak"] <= ref["gib"] * 2**30]
+                best = (f"fastest dfs here within that memory: {min(runs)[1]}, {min(runs)[0]:.3f} s at "
+                        f"{min(runs)[2] / 2**30:.2f} GiB: {ref['seconds'] / min(runs)[0]:.2f}x" if runs
+                        else "no dfs run here within that memory")
+                out_text += (f"AReaL-DTA's code on these 144 records (block {ref['block']}): {ref['seconds']} s/step "
+                             f"at {ref['gib']} GiB (H200); {best}.\n")
         flush()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _ratio(reference_s: float | None, seconds: float) -> str:
+    return f"{reference_s / seconds:.2f}x" if reference_s else "-"
+
+
+def _vs_tree_same_memory(res: dict, trees: list[dict]) -> str:
+    """A run's speed-up over the fastest tree run that used at least its memory ("-": none did)."""
+    fits = [t["seconds"] for t in trees if t["peak"] >= res["peak"]]
+    return _ratio(min(fits) if fits else None, res["seconds"])
 
 
 def _argv_without_dirs(argv: list[str]) -> str:
@@ -303,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dfs", default="2048,8192,2048:8192", type=_dfs_variants,
                     help="dfs variants BLOCK[:KEEP] (dfs_block_size, 0 = unlimited; dfs_keep_tokens, default 0)")
     ap.add_argument("--walk", action="store_true", help="dfs leaf by leaf (AReaL-DTA), no subtree calls")
-    ap.add_argument("--capacity", type=int, default=32768, help="tree mode: pack capacity in tree tokens")
+    ap.add_argument("--capacity", default=[32768], type=lambda s: [int(c) for c in s.split(",")],
+                    help="tree mode: pack capacities in tree tokens (comma-separated: one tree run each)")
     ap.add_argument("--dense-tokens", type=int, default=16384, help="dense modes: flat tokens per micro-batch")
     ap.add_argument("--dense-max-flat", type=int, default=300_000, help="skip dense above this many flat tokens")
     ap.add_argument("--tau-bench", type=Path, default=SAMPLE, help="tau-bench rollouts (Parquet)")
@@ -313,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (with --model tiny)")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the elementwise regions (train.compile; auto = on CUDA)")
+    ap.add_argument("--activation-memory-budget", type=float, default=1.0,
+                    help="share of saved activations compiled layers keep (train.activation_memory_budget)")
     ap.add_argument("--logits-chunk", type=int, default=4096, help="rows of full-vocabulary logits at a time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)

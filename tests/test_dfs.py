@@ -423,6 +423,10 @@ def test_config_accepts_dfs_and_checks_its_keys():
         parse_config(base + 'attention = "sdpa"\n')
     with pytest.raises(ConfigError, match="dfs mode needs a tree kernel"):
         make_mode("dfs", attention="sdpa")
+    assert parse_config(base + "activation_memory_budget = 0.7\n").train.activation_memory_budget == 0.7
+    for bad in ("0", "1.5"):
+        with pytest.raises(ConfigError, match=r"train.activation_memory_budget must be in \(0, 1\], got"):
+            parse_config(base + f"activation_memory_budget = {bad}\n")
 
 
 def test_merge_work_sums_counts_and_keeps_peaks():

@@ -180,6 +180,35 @@ def test_random_init_drawn_on_the_device_has_the_same_distribution():
     assert all(torch.equal(a, b) for a, b in zip(fast.parameters(), again.parameters()))  # seeded
 
 
+def test_activation_memory_budget_is_in_force_while_compiled_layers_run(monkeypatch):
+    """``activation_memory_budget`` reaches torch's partitioner: it is the functorch setting while the
+    compiled layer functions are called (which is when they compile), and only then."""
+    import torch._functorch.config as functorch_config
+
+    from treepack.train import model as model_mod
+
+    seen: list[tuple[bool, float]] = []
+
+    def spy(fn, enabled):
+        def run(*a, **k):
+            seen.append((enabled, functorch_config.activation_memory_budget))
+            return fn(*a, **k)  # eager: only the setting at call time matters here
+        return run
+
+    monkeypatch.setattr(model_mod, "pick", spy)
+    model = Decoder.random_init(ModelArgs(), seed=0)
+    model.activation_memory_budget = 0.6
+    ids = torch.arange(10)
+    ctx = AttentionContext.tree(torch.full((10,), 10, dtype=torch.int32))
+    before = functorch_config.activation_memory_budget
+    for mode, budget in (("on", 0.6), ("off", before)):
+        model.compile = mode
+        seen.clear()
+        model(ids, ids, ctx)
+        assert seen and all(b == budget for _, b in seen), (mode, seen)
+        assert functorch_config.activation_memory_budget == before
+
+
 def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
     """A toolchain that cannot compile must not stop training: the eager function runs, with a warning."""
     import warnings

@@ -16,6 +16,7 @@ tests) stay eager; CUDA uses the compiled one unless the config says ``compile =
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -78,6 +79,21 @@ def compiled(fn: Callable) -> Callable:
 
         _compiled[fn] = out
     return out
+
+
+def activation_memory_budget(budget: float) -> contextlib.AbstractContextManager:
+    """Compile under this activation memory budget (torch's min-cut partitioner: the share of the saved
+    activations a compiled forward keeps for its backward; below 1 it recomputes cheap ops instead).
+
+    Why: a DFS call's graph is most of its memory (~10 GiB of 16.6 for an 8k-token Qwen3-0.6B call); at 0.7 a
+    tau-bench step took 13.1 GiB instead of 16.6, 1.15x the time (H200, results/2026-11-21-dfs-matched-h200.md).
+    The budget is read when a graph is compiled, the first call of each input signature; graphs already
+    compiled in the process keep the budget they were compiled under."""
+    if budget >= 1.0:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)
 
 
 def use_compiled(mode: str, device: torch.device, dtype: torch.dtype) -> bool:

@@ -133,6 +133,9 @@ class TrainConfig:
     logits_chunk: int = 4096  # rows of full-vocabulary logits alive at a time in the loss
     activation_checkpointing: bool = False  # recompute each layer in backward (less memory, ~1.3x compute)
     compile: str = "auto"  # torch.compile the elementwise regions: auto (on CUDA, not float64) | on | off
+    # compiled layers: share of the saved activations the compiler may keep (1 = all it wants); below 1 it
+    # recomputes cheap ops in backward instead: tau-bench dfs B=8192 on an H200, 0.7: 16.6 -> 13.1 GiB, 1.15x time
+    activation_memory_budget: float = 1.0
     dfs_block_size: int = 2048  # dfs: most tokens forwarded with grad in one call (0 = unlimited: a pack in one call)
     dfs_keep_tokens: int = 0  # dfs: shared segments kept with their graph instead of re-forwarded (tokens; 0 = off)
     dfs_order: str = "backward"  # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout (the pack's)
@@ -162,6 +165,8 @@ class TrainConfig:
         _one_of("train.dtype", self.dtype, DTYPES)
         _one_of("train.device", self.device, DEVICES)
         _one_of("train.compile", self.compile, COMPILE_MODES)
+        if not 0 < self.activation_memory_budget <= 1:
+            raise ConfigError(f"train.activation_memory_budget must be in (0, 1], got {self.activation_memory_budget}")
         _positive("train.logits_chunk", self.logits_chunk)
 
 
@@ -339,6 +344,7 @@ seed = 0
 logits_chunk = 4096         # rows of full-vocabulary logits alive at a time
 activation_checkpointing = false
 compile = "auto"            # torch.compile norms/RoPE/SwiGLU/loss softmax: auto (on CUDA) | on | off
+activation_memory_budget = 1.0  # compiled layers keep this share of saved activations, recompute the rest (0, 1]
 dfs_block_size = 2048       # dfs: most tokens forwarded with grad at once (0 = unlimited); a tree that fits is one call
 dfs_keep_tokens = 0         # dfs: shared segments kept with their graph instead of re-forwarded (0 = off)
 dfs_order = "backward"      # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout

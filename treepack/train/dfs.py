@@ -25,7 +25,9 @@ per call for Qwen3-0.6B (28 layers, one compiled graph per layer), which a call 
 hides only if nothing makes the host wait for the GPU: the per-call path has no host sync
 (tests/test_host_sync_gpu.py). On an H200 a tau-bench step took 1.09-1.16 s at B=8192 (11 calls) against
 1.21-1.25 s for tree mode in 3 packs, at 17 GiB instead of 43 GiB; at B=4096 (12.7 GiB, 28 calls) it is
-host-bound, 1.6-2.2 s. Prefer the largest block the memory allows (benchmarks/results/2026-11-21-dfs.md).
+host-bound, 1.6-2.2 s. Prefer the largest block the memory allows (benchmarks/results/2026-11-21-dfs.md);
+where memory is short, ``train.activation_memory_budget`` below 1 lets the compiled layers recompute instead of
+saving (B=8192, 0.7: 13.1 GiB instead of 16.6, 1.16x the time), which costs less than a smaller block.
 
 Legend: T pack tokens, C tokens of a step, X targets of a step, U target tokens of the pack, R loss
 rows, L layers, P cached path rows, K kv heads, E head dim, D hidden size.

@@ -150,6 +150,7 @@ def build_model(cfg: RunConfig, packs: list[Pack], device: torch.device, dtype: 
         raise ConfigError(f"the data has token id {max_id}, outside the model's vocabulary ({model.args.vocab_size})")
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.compile = cfg.train.compile
+    model.activation_memory_budget = cfg.train.activation_memory_budget
     return model
 
 

@@ -44,8 +44,8 @@ from torch.utils.checkpoint import checkpoint
 
 from treepack.errors import ConfigError
 from treepack.train.attention import KV, AttentionContext, TritonSchedule
+from treepack.train.compiled import activation_memory_budget, pick, use_compiled
 from treepack.train.compiled import compiled as compiled_fn
-from treepack.train.compiled import pick, use_compiled
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -407,6 +407,8 @@ class Decoder(nn.Module):
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.activation_checkpointing = False  # recompute each layer in backward (saves activations)
         self.compile = "auto"  # auto | on | off: torch.compile the elementwise regions (auto = on CUDA)
+        # share of a compiled layer's saved activations kept for backward (`activation_memory_budget`)
+        self.activation_memory_budget = 1.0
 
     @property
     def head_weight(self) -> Tensor:
@@ -441,16 +443,17 @@ class Decoder(nn.Module):
             dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else self.dtype
             schedule = attn.triton_schedule(x_TD.device, dtype, self.args.head_dim)
         kv_out: list[KV] = []
-        for i, layer in enumerate(self.model.layers):
-            past = None if past_kv is None else past_kv[i]
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x_TD, kv = checkpoint(
-                    layer, x_TD, cos_TE, sin_TE, attn, past, compiled, schedule, use_reentrant=False
-                )
-            else:
-                x_TD, kv = layer(x_TD, cos_TE, sin_TE, attn, past, compiled, schedule)
-            if return_kv:
-                kv_out.append(kv)
+        with activation_memory_budget(self.activation_memory_budget if compiled else 1.0):
+            for i, layer in enumerate(self.model.layers):
+                past = None if past_kv is None else past_kv[i]
+                if self.activation_checkpointing and torch.is_grad_enabled():
+                    x_TD, kv = checkpoint(
+                        layer, x_TD, cos_TE, sin_TE, attn, past, compiled, schedule, use_reentrant=False
+                    )
+                else:
+                    x_TD, kv = layer(x_TD, cos_TE, sin_TE, attn, past, compiled, schedule)
+                if return_kv:
+                    kv_out.append(kv)
         return DecoderOutput(hidden_TD=self.model.norm(x_TD), kv=kv_out)
 
     def uses_compiled(self, device: torch.device) -> bool:
