@@ -4,9 +4,15 @@ Rollout files are packed on the fly with a deliberately simple, order-preserving
 strategies of ``treepack pack`` optimise N_pack; this one only has to be correct and predictable):
 trees (``tree_id`` groups, split by ``step`` when present) are taken in input order; a tree that fits the
 capacity joins the current pack when it still fits (trees never share tokens, so their sizes add), else
-starts a new pack; a tree larger than the capacity is cut into contiguous runs of its sequences, each the
-longest run whose union trie fits (binary search over run lengths, each probe one vectorised trie build:
-~log2(n) builds per pack). Without ``tree_id`` the whole file is one forest.
+starts a new pack; a tree larger than the capacity is cut by `treepack pack`'s own packer (strategy
+``best``, `treepack.pack.strategies`), which repeats as few shared-prefix tokens as it can. Cutting it instead
+into contiguous runs of input order (the first policy) splits multi-turn chains between packs, so a record's
+earlier turns become a leaf of one pack and are forwarded again in the next: on 144 held-out tau-bench
+retail records as one forest at 32K, runs of input order gave 2 packs of 62,735 tokens and 2.86e8 attention
+pairs, ``best`` 2 packs of 54,505 tokens and 2.43e8 pairs (the leaves alone: 63,018 and 2.48e8), so the tree
+did 13% more attention work than dense-leaf before and 2% less now. Packs of a split tree come in the order
+of their first sequence, each pack's sequences in input order. Without ``tree_id`` the whole file is one
+forest.
 
 A global batch is ``packs_per_step`` consecutive packs of an epoch order; the order of epoch e is a
 permutation seeded by (seed, e), so the batch of any step is a pure function of the config and the step
@@ -36,26 +42,14 @@ from treepack.pack.layout import Pack, build_pack
 from treepack.tree import PrefixTree, scope_codes
 
 
-def _trie_tokens(r: Rollouts, index: np.ndarray) -> int:
-    starts, lens = r.offsets[:-1][index], r.lengths[index]
-    offsets = np.zeros(len(index) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    return PrefixTree.from_arrays(r.tokens[_ranges(starts, lens)], offsets).n_tree_tokens
+def _split_tree(r: Rollouts, index: np.ndarray, capacity: int) -> list[np.ndarray]:
+    """The sequences ``index`` (one tree larger than ``capacity``) cut into packs by the ``best`` packer:
+    each pack's sequences ascending, packs in the order of their first sequence."""
+    from treepack.pack.strategies import pack_sequences
 
-
-def _split_tree(r: Rollouts, index: np.ndarray, capacity: int) -> Iterator[np.ndarray]:
-    """Contiguous runs of ``index`` whose union trie fits ``capacity`` (each run as long as possible)."""
-    i = 0
-    while i < len(index):
-        lo, hi = 1, len(index) - i  # lo always fits (a sequence <= capacity was checked)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if _trie_tokens(r, index[i : i + mid]) <= capacity:
-                lo = mid
-            else:
-                hi = mid - 1
-        yield index[i : i + lo]
-        i += lo
+    packing = pack_sequences(r.select(index), capacity, strategy="best")
+    runs = [np.sort(index[p]) for p in packing.packs]
+    return sorted(runs, key=lambda run: int(run[0]))
 
 
 def pack_rollouts(r: Rollouts, capacity: int, *, max_packs: int | None = None) -> Iterator[Pack]:
