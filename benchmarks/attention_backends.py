@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from attention import fwd_bwd, paths_from_subtree_end, varlen_dense, workload_subtree_end
-from common import bench_ms, command_line, gpu_line, today, write_report
+from common import bench_ms, command_line, fa4_version, gpu_line, today, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SLICE = ROOT / "datasets" / "samples" / "tau_bench_slice.parquet"
@@ -199,18 +199,10 @@ def random_tree(T: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def report(args, rows: list[dict], grid: list[dict], started: float) -> str:
-    from importlib import metadata
-
-    import triton
-
-    try:
-        fa4_version = metadata.version("flash-attn-4")
-    except metadata.PackageNotFoundError:
-        fa4_version = "not installed"
     lines = [
         f"# Tree attention per visible pair vs the best dense attention, every backend — {today()}",
         "",
-        f"- GPU: {gpu_line()}; flash-attn-4 {fa4_version}; triton {triton.__version__}",
+        f"- GPU: {gpu_line()}{'' if fa4_version() else '; flash-attn-4 not installed'}",
         f"- command: `{command_line(__file__, sys.argv[1:])}`",
         (f"- bf16, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}; fwd+bwd; FLOPs = 14 x visible pairs x D x Hq "
          "(tree runners: the tree's pairs; dense runners: sum of L(L+1)/2 over the pack's leaf sequences); "

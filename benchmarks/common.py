@@ -54,12 +54,22 @@ def versions(*modules: str) -> str:
     return ", ".join(parts)
 
 
+def fa4_version() -> str:
+    """``, flash-attn-4 x`` where the FA4 extra is installed, else empty."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f", flash-attn-4 {version('flash-attn-4')}"
+    except PackageNotFoundError:
+        return ""
+
+
 def gpu_line(device=None) -> str:
     """``<GPU name>; torch a, triton b, Python c`` on CUDA, a CPU smoke-run line otherwise."""
     import torch
 
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
-        return f"{torch.cuda.get_device_name(device)}; {versions('torch', 'triton')}"
+        return f"{torch.cuda.get_device_name(device)}; {versions('torch', 'triton')}{fa4_version()}"
     return f"CPU smoke run, numbers not meaningful ({platform.machine()}); {versions('torch')}"
 
 

@@ -9,7 +9,7 @@ measures each rate the way the modes run it, forward and backward, after warm-up
 - ``matmul``: a SwiGLU MLP block (gate/up/down, ``--hidden`` x ``--ffn``) over ``--tokens`` tokens;
 - ``attention[sdpa]``: `AttentionContext.causal` (one SDPA call per sequence: the dense modes' path)
   over ``--sequences`` equal causal sequences of ``--tokens`` tokens in all;
-- ``attention[reference|flex|triton]``: `AttentionContext.tree` over the same sequences laid out as a
+- ``attention[reference|flex|triton|fa4]``: `AttentionContext.tree` over the same sequences laid out as a
   forest of chains (the tree kernels on the dense modes' exact pairs; the reference backend's rate is
   over every score of its calls, the others' over visible pairs);
 - ``layer_call_seconds`` / ``attention_call_seconds``: a one-layer model call on 8 tokens, and one more
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cpu_model, versions
+from common import cpu_model, fa4_version, versions
 
 from treepack.train.attention import AttentionContext
 from treepack.train.model import Decoder, ModelArgs
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--backends", default=None, help="comma-separated (default: sdpa,triton,flex on CUDA; sdpa,reference on CPU)")
+    ap.add_argument("--backends", default=None, help="comma-separated (default: sdpa,triton,flex and fa4 where installed on CUDA; sdpa,reference on CPU)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
@@ -125,7 +125,14 @@ def main() -> None:
     dtype_name = args.dtype or ("bfloat16" if cuda else "float64")
     dtype = DTYPES[dtype_name]
     args.tokens = args.tokens or (16384 if cuda else 2048)
-    backends = (args.backends or ("sdpa,triton,flex" if cuda else "sdpa,reference")).split(",")
+    if args.backends:
+        backends = args.backends.split(",")
+    elif cuda:
+        from treepack.kernels.tree_attention.fa4 import fa4_importable
+
+        backends = ["sdpa", "triton", "flex"] + (["fa4"] if fa4_importable() else [])
+    else:
+        backends = ["sdpa", "reference"]
     where = torch.cuda.get_device_name(device) if cuda else f"{cpu_model()}, {torch.get_num_threads()} threads"
     t0 = time.perf_counter()
     matmul = matmul_rate(args, device, dtype)
@@ -134,7 +141,7 @@ def main() -> None:
     table = SpeedTable(
         name=args.name or f"{torch.cuda.get_device_name(device) if cuda else 'CPU'} {dtype_name}",
         matmul=matmul, attention=attention, layer_call_seconds=layer_call, attention_call_seconds=attention_call,
-        source=(f"benchmarks/speed_table.py on {where}, {versions('torch', 'triton') if cuda else versions('torch')}, "
+        source=(f"benchmarks/speed_table.py on {where}, {versions('torch', 'triton') + fa4_version() if cuda else versions('torch')}, "
                 f"{dtype_name}, {args.tokens} tokens "
                 f"in {args.sequences} sequences, {args.heads}/{args.kv_heads} heads of {args.head_dim}, "
                 f"MLP {args.hidden}x{args.ffn}, median of {args.repeats}"))

@@ -13,12 +13,14 @@ work of each candidate is counted exactly from the pack (numpy, no model call):
 and priced with a `SpeedTable` of measured throughputs (DESIGN §9's FLOP model split in two):
 ``seconds = (6 P tokens + 6 D V predicted) / matmul + 12 L H E pairs / attention[backend]
 + L (calls x layer_call_seconds + attention calls x attention_call_seconds)``, P the non-embedding
-parameters. The attention term is what decides real data: per visible pair the tree kernel ran at
-0.66-0.86x of torch's dense SDPA kernel on an H200 (issue 17's measurement), so tree wins only where the
-leaves hold enough more tokens than the tree. With the built-in H200 table and Qwen3-0.6B's shape, auto
-runs dense-leaf on every 16K pack of the bundled tau-bench (leaf tokens 1.00x the tree's: multi-turn
-records that are prefixes of each other), tau2 (1.17x) and grpo-math samples, and tree on every pack of
-agentic-think (3.3x) and tau2-think (estimated 0.99 s against 1.97 s, and 1.42 s against 3.35 s).
+parameters. The attention term decides real data. Per visible pair the FA4 tree kernel runs at 1.21-1.49x
+torch's best dense kernel on an H100 (benchmarks/results/2026-11-25-attention-fa4-h100.md), so where it
+runs, tree wins even on chains with no branches (tree tokens = leaf tokens); the Triton kernel (small
+packs, or no FA4 installed) runs at ~0.97x, so there a pack needs a few % more leaf than tree tokens.
+Estimated with the built-in H200 table, Qwen3-0.6B's shape and FA4 installed, ``treepack train``'s packs at
+16K: tree on every pack of grpo_math, agentic-think, tau2-think and low-overlap, all but the last (small)
+pack of tau-bench and tau2 (its small last pack: dense-leaf); at 32K, tree on every pack of the held-out
+tau-bench retail records (est. 0.71 s against 0.82 s) and ToolBench (0.52 s against 2.37 s).
 
 A speed table plugs in three ways: ``SPEED_TABLES`` (built in, by device name), ``SpeedTable.load(path)``
 (a JSON file, e.g. from ``benchmarks/speed_table.py``), or `make_mode(..., speed_table=...)`. A table
@@ -115,19 +117,29 @@ class SpeedTable:
         return cls.from_json(data)
 
 
-# Built-in tables, by a substring of the device name ("cpu" for the CPU). The GPU attention rates are issue
-# 17's measurement (1x H200, torch 2.11, triton 3.6, bf16, 16 q / 8 kv heads of 128, fwd+bwd over visible
-# pairs, mean of four held-out trees: triton 294, flex 220, dense SDPA 381 TFLOP/s), converted from its 14
-# FLOP per (pair, head, dim) (backward = 2.5 x forward) to the FLOP model's 12; the H100 has the H200's
-# arithmetic. The matmul rate is the bf16 8192^3 product measured on these machines (769-798 TFLOP/s).
-# Host costs are unmeasured there (0). Replace them with benchmarks/speed_table.py's table measured on
-# the same GPU (train.speed_table) where the choice matters.
-_HOPPER = {"matmul": 780e12, "attention": {"triton": 252e12, "flex": 189e12, "sdpa": 327e12},
-           "source": "issue 17 attention rates (1x H200, torch 2.11, triton 3.6) x 12/14; bf16 matmul 769-798 "
-                     "TFLOP/s (8192^3, same machines); host costs not measured"}
+# Built-in tables, by a substring of the device name ("cpu" for the CPU). The GPU attention rates are the
+# kernels' own measured table (`treepack.kernels.tree_attention.backends.MEASURED`: 1x H100, torch 2.11,
+# triton 3.6, flash-attn-4 4.0.0b36, bf16, 16 q / 8 kv heads of 128, fwd+bwd over visible pairs of
+# treepack's 32K packs), converted from its 14 FLOP per (pair, head, dim) (backward = 2.5 x forward) to the
+# FLOP model's 12; flex from issue 17's H200 run (220 TFLOP/s x 12/14); the H200 has the H100's arithmetic.
+# The matmul rate is the bf16 8192^3 product measured on these machines (769-798 TFLOP/s). Host costs are
+# not in it (0). benchmarks/speed_table.py measures a whole table on the GPU at hand (train.speed_table).
+_TO_MODEL_FLOPS = 12.0 / 14.0
+
+
+def _hopper_table(name: str) -> SpeedTable:
+    from treepack.kernels.tree_attention.backends import MEASURED
+
+    rates = {b: r.tflops * 1e12 * _TO_MODEL_FLOPS for b, r in MEASURED["H100"].items()}
+    return SpeedTable(name=name, matmul=780e12, attention={**rates, "flex": 220e12 * _TO_MODEL_FLOPS},
+                      source="treepack.kernels.tree_attention.backends.MEASURED (1x H100, torch 2.11, triton 3.6, "
+                             "flash-attn-4 4.0.0b36) x 12/14; flex 220 TFLOP/s (1x H200); bf16 matmul 769-798 "
+                             "TFLOP/s (8192^3, same machines); host costs not measured")
+
+
 SPEED_TABLES: dict[str, SpeedTable] = {
-    "H200": SpeedTable(name="H200 bf16", **_HOPPER),
-    "H100": SpeedTable(name="H100 bf16", **_HOPPER),
+    "H200": _hopper_table("H200 bf16"),
+    "H100": _hopper_table("H100 bf16"),
     "cpu": SpeedTable(name="CPU", matmul=3.80e9, attention={"sdpa": 1.20e9, "reference": 1.39e9},
                       layer_call_seconds=1.15e-3, attention_call_seconds=2.9e-4,
                       source="benchmarks/speed_table.py --device cpu --hidden 64 --ffn 176 --heads 4 --kv-heads 2 "
@@ -151,14 +163,15 @@ def model_shape(args) -> ModelShape:
                       head_dim=args.head_dim, d_ff=args.intermediate_size, vocab=args.vocab_size)
 
 
-def tree_backend(impl: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """The backend a tree attention call with ``impl`` runs (``auto`` resolved as the kernels do)."""
+def tree_backend(impl: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, tokens: int,
+                 pairs: int) -> str:
+    """The backend a tree attention call with ``impl`` over ``tokens`` queries and ``pairs`` visible pairs
+    runs (``auto`` resolved by the kernels' own `pick_backend`)."""
     if impl != "auto":
         return impl
-    from treepack.kernels.tree_attention.api import TRITON_DTYPES, TRITON_HEAD_DIMS
+    from treepack.kernels.tree_attention.backends import pick_backend
 
-    ok = device.type == "cuda" and dtype in TRITON_DTYPES and head_dim in TRITON_HEAD_DIMS
-    return "triton" if ok else "reference"
+    return pick_backend(tokens, heads, head_dim, dtype, device, pairs=pairs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,7 +257,9 @@ class AutoMode(Mode):
         if dtype is None:
             dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.dtype
         works = {"tree": tree_work(pack, rows), "dense-leaf": dense_work(self.leaf.plan(pack, rows))}
-        backends = {"tree": tree_backend(self.tree.attention, dev, dtype, model.args.head_dim),
+        a, tree = model.args, works["tree"]
+        backends = {"tree": tree_backend(self.tree.attention, dev, dtype, a.num_heads, a.head_dim, tree.tokens,
+                                         tree.pairs),
                     "dense-leaf": self.leaf.attention}
         return choose(works, backends, model_shape(model.args), self._table(dev))
 
