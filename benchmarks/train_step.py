@@ -146,8 +146,8 @@ WORKLOADS = {
     "tau2-think": "synthetic: treepack synth tau2 --think -n N (seed 0)",
     "agentic-think": "synthetic: treepack synth agentic-think -n N --max-len 16384 (seed 0)",
 }
-RUNNERS = ("dense", "dense-leaf", "tree/triton", "tree/fa4", "tree/flex", "tree/reference", "tree/auto")
-RUN_ORDER = ("dense-leaf", "tree/triton", "tree/fa4", "tree/auto", "tree/reference", "dense", "tree/flex")
+RUNNERS = ("dense", "dense-leaf", "tree/triton", "tree/fa4", "tree/flex", "tree/reference", "tree/auto", "auto")
+RUN_ORDER = ("dense-leaf", "tree/triton", "tree/fa4", "tree/auto", "auto", "tree/reference", "dense", "tree/flex")
 # model:workload:tree capacities (K = 1024)
 DEFAULT_CONFIGS = ("qwen3-0.6b:tau-bench:16K,32K", "qwen3-0.6b:tau2-think:16K,32K",
                    "qwen3-1.7b:tau-bench:32K", "qwen3-1.7b:tau2-think:32K")
@@ -299,6 +299,19 @@ def measure(trainer: Trainer, work: Work, mode, repeats: int, max_step_seconds: 
             break
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
     return warm, times, peak, loss
+
+
+def auto_work(mode, trainer: Trainer, work: Work, model: str) -> tuple[float, str]:
+    """FLOPs of what ``mode = "auto"`` runs on these packs (its choice per pack) and a note saying it."""
+    flops, chosen = 0.0, Counter()
+    shape = model_shape(model, trainer.model.args)
+    with trainer.autocast():
+        for pack in work.packs:
+            choice = mode.choose(trainer.model, pack, LossRows.from_pack(pack))
+            w = choice.work[choice.mode]
+            flops += shape.flops(w.tokens, w.predicted, w.pairs)
+            chosen[choice.mode] += 1
+    return flops, "auto: " + ", ".join(f"{m} on {n} pack{'s' if n != 1 else ''}" for m, n in sorted(chosen.items()))
 
 
 def profile_step(trainer: Trainer, pack: Pack, mode, top: int = 15) -> tuple[dict[str, float], list]:
@@ -487,7 +500,7 @@ def plan(configs: list[tuple[str, str, list[int], list[str] | None]], runners: l
     jobs: dict[tuple, Job] = {}
     for model, workload, caps, own in configs:
         for runner in sorted(own or runners, key=RUN_ORDER.index):
-            for cap in (caps if runner.startswith("tree") else [None]):
+            for cap in (caps if not runner.startswith("dense") else [None]):
                 jobs.setdefault((model, workload, runner, cap), Job(model, workload, runner, cap))
     return list(jobs.values())
 
@@ -520,7 +533,7 @@ class Bench:
         return int(self.workload(name, model).rollouts.tokens.max()) + 1 if model == "tiny" else QWEN3_VOCAB
 
     def work(self, job: Job) -> Work:
-        kind = job.runner if job.runner.startswith("dense") else "tree"  # tree/*: the same packs
+        kind = job.runner if job.runner.startswith("dense") else "tree"  # tree/* and auto: the same packs
         key = (job.workload, job.model == "tiny", kind, job.capacity)
         if key not in self.works:
             info = self.workload(job.workload, job.model)
@@ -572,13 +585,18 @@ class Bench:
         res.packs, res.tokens = len(work.packs), work.tokens
         res.predicted, res.pairs = work.predicted, work.pairs
         res.flops = model_shape(job.model, trainer.model.args).flops(work.tokens, work.predicted, work.pairs)
-        if job.runner.startswith("tree") and not any(c.startswith(job.model + ":") for c in self.checks):
+        if not work.dense and not any(c.startswith(job.model + ":") for c in self.checks):
             line, passed = path_check_line(path_check(trainer, work.packs[0]), self.device)
             self.checks.append(f"{job.model}: {line}: {'OK' if passed else 'FAILED'}")
             self.checks_ok &= passed
             self.log(self.checks[-1])
-        mode = make_mode("dense" if work.dense else "tree", chunk_rows=trainer.logits_chunk,
-                         attention=None if work.dense else job.runner.split("/")[1])
+        if job.runner == "auto":  # per pack tree or dense-leaf (micro-batches as the dense runners')
+            mode = make_mode("auto", chunk_rows=trainer.logits_chunk, micro_batch_tokens=self.dense_tokens)
+            res.flops, res.note = auto_work(mode, trainer, work, job.model)
+            self.log(f"{label}: {res.note}")
+        else:
+            mode = make_mode("dense" if work.dense else "tree", chunk_rows=trainer.logits_chunk,
+                             attention=None if work.dense else job.runner.split("/")[1])
         ckpt = work.largest >= self.oom_tokens.get(job.model, 1 << 62)
         self.log(f"{label}: {res.packs} packs, {res.tokens:,} tokens, {res.flops / 1e12:.0f} TFLOP"
                  + (" (activation checkpointing)" if ckpt else ""))
@@ -606,7 +624,7 @@ class Bench:
             self.oom_tokens[job.model] = min(self.oom_tokens.get(job.model, 1 << 62), work.largest)
             ckpt = True
             self.log(f"{label}: out of memory; again with activation checkpointing")
-        if res.ok and self.args.profile and self.device.type == "cuda" and job.runner == "tree/triton" \
+        if res.ok and self.args.profile and self.device.type == "cuda" and job.runner.startswith("tree/") \
                 and not any(r.profile for r in self.results if r.model == job.model):
             trainer.model.activation_checkpointing = res.checkpointing
             try:

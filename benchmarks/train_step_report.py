@@ -132,10 +132,10 @@ def summary(results: list[Result], ceiling: float) -> tuple[str, list[str]]:
         lines.append(f"| {r.model} | {r.workload} | {cap_label(r.capacity)} | {r.runner}"
                      f"{' +ckpt' if r.checkpointing else ''} | {r.seconds:.3f} | {_pct(mfu)} "
                      f"| {r.peak_gib:.1f} | {cells[0]} | {cells[1]} |")
-        if r.runner.startswith("tree"):
+        if not r.runner.startswith("dense"):
             over = [("not measured" if e is None else f"{'met' if e[1] / e[0] >= 0.9 else 'NOT met'} "
                      f"({_pct(e[1] / e[0])})") for e in effs]
             verdicts.append(f"{r.model} {r.workload} {cap_label(r.capacity)} {r.runner}: >= 90% of the ideal "
                             f"speedup over dense {over[0]}, over dense-leaf {over[1]}; MFU >= 45% "
-                            f"{'met' if mfu >= 0.45 else 'NOT met'} ({_pct(mfu)})")
+                            f"{'met' if mfu >= 0.45 else 'NOT met'} ({_pct(mfu)})" + (f"; {r.note}" if r.note else ""))
     return "\n".join(lines) + "\n", verdicts
