@@ -16,8 +16,10 @@ Two uses, one principle (minimise the costliest rank: the step waits for it):
   predicted step time by ``MIN_GAIN`` (1%) or more. Costs are FLOPs of the layout the mode runs
   (`treepack.pack.cost.RunCosts`), so a rank of long, deep trees is not mistaken for a light one.
   ``split_run`` is Algorithm 4 itself (one unit, K contiguous pieces, LCP-aware costs): what the
-  cutting uses, and the baseline of ``benchmarks/balance.py``. Everything is deterministic (integer costs,
-  fixed tie-breaks): every rank computes the same split with no communication.
+  cutting uses, and the baseline of ``benchmarks/balance.py``. ``min_gain=KEEP_WHOLE`` never cuts: whole
+  units only (what ``treepack.hf.shard_packs`` asks for, its users feed whole packs to a model).
+  Everything is deterministic (integer costs, fixed tie-breaks): every rank computes the same split with
+  no communication.
 """
 
 from __future__ import annotations
@@ -31,18 +33,29 @@ import numpy as np
 
 from treepack.errors import TreepackError
 from treepack.io.rollouts import Rollouts
-from treepack.pack.cost import RunCosts
+from treepack.pack.cost import TOKENS, FlopModel, RunCosts
 from treepack.pack.layout import Pack, build_pack
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES
 
 BALANCE_COSTS = ("tokens", "flops")
 
 
+def _check_cost(cost: str) -> None:
+    if cost not in BALANCE_COSTS:
+        raise TreepackError(f"balance cost must be one of {', '.join(BALANCE_COSTS)}, got {cost!r}")
+
+
+def cost_model(cost: str = "tokens", model: str | None = None) -> FlopModel:
+    """The `FlopModel` a balance cost names: ``tokens`` (1 per token through the layers) or ``flops``
+    (DESIGN §9 for ``model``'s shape, `DEFAULT_MODEL` if None: loss tokens pay the head, pairs attention)."""
+    _check_cost(cost)
+    return TOKENS if cost == "tokens" else FlopModel.named(model or DEFAULT_MODEL)
+
+
 def pack_costs(tokens: np.ndarray, attention_pairs: np.ndarray, cost: str = "tokens",
                model: str = DEFAULT_MODEL) -> list[int]:
     """Cost of each pack as exact integers: its tokens, or its fwd+bwd FLOPs under ``model``'s shape."""
-    if cost not in BALANCE_COSTS:
-        raise TreepackError(f"balance cost must be one of {', '.join(BALANCE_COSTS)}, got {cost!r}")
+    _check_cost(cost)
     if cost == "tokens":
         return [int(t) for t in tokens]
     if model not in MODEL_SHAPES:
@@ -141,6 +154,7 @@ def balance_packs(costs: list[int], steps: np.ndarray | None, k: int, *, cost: s
 
 
 MIN_GAIN = 0.01  # a pack is cut across ranks only when that lowers the predicted step time by >= 1%
+KEEP_WHOLE = 1.0  # the min_gain that never cuts: no cut lowers the step time by 100%
 
 
 def split_run(costs: RunCosts, m: int, *, exactly: bool = False) -> list[int]:
@@ -332,13 +346,14 @@ def balance_units(units: list[RunCosts], k: int, *, min_gain: float = MIN_GAIN) 
     cutting a unit only where no whole piece fits the room left, at the cut that duplicates least; its
     pieces are re-assigned by `assign_units` when that does better. The split is taken only if it lowers
     the predicted step time (the costliest rank) by at least ``min_gain``: a shared prefix is computed on
-    two ranks only when that is what it takes to cut the step time.
+    two ranks only when that is what it takes to cut the step time; ``min_gain >= 1`` (`KEEP_WHOLE`) never
+    cuts, and skips the search.
     """
     if k < 1:
         raise TreepackError(f"the number of ranks must be >= 1, got {k}")
     whole = [Piece(u, 0, c.n, c.whole, True) for u, c in enumerate(units) if c.n]
     best = _split_of(whole, assign_units([p.cost for p in whole], k), k, len(units))
-    if k == 1 or not whole or all(c.n < 2 for c in units):
+    if k == 1 or min_gain >= 1 or not whole or all(c.n < 2 for c in units):
         return best
     total = sum(p.cost for p in whole)
     lo, hi = max(max(int(c.full.max()) for c in units if c.n), -(-total // k)), max(best.loads)
