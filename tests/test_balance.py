@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 from strategies import rollouts_from, sequence_lists
 
 from treepack.errors import TreepackError
-from treepack.pack.balance import MIN_GAIN, assign_units, balance_units, split_contiguous, split_run, sub_pack
+from treepack.pack.balance import (
+    KEEP_WHOLE,
+    MIN_GAIN,
+    assign_units,
+    balance_units,
+    split_contiguous,
+    split_run,
+    sub_pack,
+)
 from treepack.pack.cost import FlopModel, Work, pack_run_costs, pack_work, rollout_run_costs, run_costs
 from treepack.pack.layout import build_pack
 
@@ -151,11 +159,13 @@ def test_balance_covers_every_sequence_once_and_never_loses_to_whole_packs(cases
     for p, r in zip(split.pieces, split.ranks):
         loads[r] += p.cost
     assert loads == split.loads
-    whole = balance_units(units, k, min_gain=1.0)
+    whole = balance_units(units, k, min_gain=KEEP_WHOLE)
     assert not whole.split_units
     assert max(split.loads) <= max(whole.loads)
     if split.split_units:  # a cut must have bought at least MIN_GAIN of step time
         assert max(split.loads) < max(whole.loads) * (1 - MIN_GAIN)
+    else:  # nothing cut: the whole split itself, rank for rank
+        assert split == whole
 
 
 def test_a_lone_pack_is_cut_where_little_is_shared():

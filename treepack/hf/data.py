@@ -16,7 +16,7 @@ Sources (`PackDataset`):
 
 Each item is a `TreeBatch` (the pack's tensors, CPU; ``pin_memory`` supported). Splitting: packs are
 dealt to DataLoader workers round robin; with ``world_size > 1`` each rank first takes its share of every
-step (`treepack.hf.parallel.shard_packs`: the pack order cut into contiguous, cost-balanced runs) or, for
+step (`treepack.hf.parallel.shard_packs`: whole packs, token-balanced, in pack order) or, for
 shards written with ``--balance K``, the rank stored in the shard.
 """
 
@@ -33,6 +33,7 @@ from treepack.errors import TreepackError
 from treepack.hf.batch import TreeBatch, as_token_arrays, rollouts_of
 from treepack.io.rollouts import Rollouts
 from treepack.pack.layout import Pack, build_pack
+from treepack.train.distributed import rank_and_world
 
 
 def rollouts_from_sequences(sequences: Sequence, *, loss_masks=None, logprobs=None, rewards=None,
@@ -96,8 +97,7 @@ class PackDataset(IterableDataset):
     def __init__(self, source, *, capacity: int | None = None, strategy: str = "best", rank: int = 0,
                  world_size: int = 1) -> None:
         super().__init__()
-        if not 0 <= rank < world_size:
-            raise TreepackError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
+        rank_and_world(rank, world_size)  # the same check (and message) as shard_packs
         self.source, self.capacity, self.strategy = source, capacity, strategy
         self.rank, self.world_size = rank, world_size
 

@@ -1,10 +1,15 @@
 """Data-parallel use: which packs each rank runs, and the normaliser that makes the ranks add up exactly.
 
-Each global batch (the packs of one optimizer step, e.g. one ``step`` of the rollouts) is split over the
-ranks by AReaL-DTA's Algorithm 4 (`treepack.balance.split_contiguous`): the packs, in order, are cut
-into ``world_size`` contiguous runs minimising the largest run's cost (tokens by default; contiguity
-keeps a prompt's packs together). Every rank computes the same split from the same pack list, without
-communication.
+`shard_packs` is the trainer's own balance (`treepack.train.distributed.shard_batch`, one `RankShare`
+type for both) with two choices made for a Hugging Face loop: packs stay whole (``min_gain=KEEP_WHOLE``:
+the model takes a pack, not a piece of one; the trainer may cut a pack across ranks when that saves >= 1%
+of the step, recomputing its shared prefix), and the cost is named (``tokens``: real tokens per pack, the
+default; ``flops``: DESIGN §9 for a named model shape, which weighs deep packs' attention pairs and the
+head's loss tokens). The packs of each global batch (e.g. one ``step`` of the rollouts) go to ranks by
+the better of LPT and the contiguous AReaL-DTA split (`treepack.pack.balance.assign_units`): packs share
+no tokens, so contiguity buys nothing, and [5, 5, 3, 3] over 2 ranks balances 8/8, contiguously at best
+10/6. Each rank's packs keep the batch order; every rank computes the same split from the same pack list,
+without communication.
 
 The losses normalise by counts over the *global* batch (loss tokens, sequences with a loss; `BatchTotals`):
 ``RankShare.totals`` holds them, so each rank's ``loss(..., totals=share.totals)`` is its exact share and
@@ -16,13 +21,10 @@ knows its own packs, `global_totals` all-reduces the local counts instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import numpy as np
-
-from treepack.errors import TreepackError
-from treepack.pack.balance import pack_costs, split_contiguous
+from treepack.pack.balance import KEEP_WHOLE, cost_model
 from treepack.pack.layout import Pack
+from treepack.train.distributed import RankShare, all_reduce_totals, shard_batch
 from treepack.train.losses import BatchTotals, LossRows
 
 
@@ -32,55 +34,15 @@ def pack_totals(packs: Sequence[Pack]) -> BatchTotals:
     return BatchTotals.of([LossRows.from_pack(p) for p in packs])
 
 
-def attention_pairs(pack: Pack) -> int:
-    n = int(pack.n_real)
-    return int((np.asarray(pack.subtree_end[:n], dtype=np.int64) - np.arange(n)).sum())
-
-
-@dataclass
-class RankShare:
-    """One rank's part of a global batch."""
-
-    rank: int
-    world_size: int
-    packs: list[Pack]  # this rank's packs, in the global order
-    index: list[int]  # their positions in the global pack list
-    totals: BatchTotals  # normalisers of the WHOLE global batch (every rank's packs)
-    loads: list[int]  # cost of each rank's packs
-
-    @property
-    def ddp_loss_scale(self) -> float:
-        """Factor for each rank's loss when gradients are averaged over ranks (DDP) instead of summed."""
-        return float(self.world_size)
-
-    @property
-    def imbalance(self) -> float:
-        mean = sum(self.loads) / len(self.loads)
-        return max(self.loads) / mean if mean else 1.0
-
-
-def shard_packs(packs: Sequence[Pack], rank: int, world_size: int, *, cost: str = "tokens",
-                model: str | None = None) -> RankShare:
-    """This rank's packs of one global batch and the batch-wide normaliser (see the module docstring).
-    ``cost``: ``tokens`` (real tokens per pack) or ``flops`` (DESIGN §9's model for ``model``'s shape,
-    which weighs deep packs' attention)."""
-    if not 0 <= rank < world_size:
-        raise TreepackError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
-    packs = list(packs)
-    tokens = np.asarray([int(p.n_real) for p in packs], dtype=np.int64)
-    pairs = np.asarray([attention_pairs(p) for p in packs], dtype=np.int64)
-    costs = pack_costs(tokens, pairs, cost, **({"model": model} if model else {}))
-    groups = split_contiguous(costs, world_size)
-    loads = [0] * world_size
-    for g, c in zip(groups, costs):
-        loads[g] += c
-    index = [i for i, g in enumerate(groups) if g == rank]
-    return RankShare(rank=rank, world_size=world_size, packs=[packs[i] for i in index], index=index,
-                     totals=pack_totals(packs), loads=loads)
+def shard_packs(packs: Sequence[Pack], rank: int | None = None, world_size: int | None = None, *,
+                cost: str = "tokens", model: str | None = None) -> RankShare:
+    """This rank's whole packs of one global batch and the batch-wide normaliser (see the module
+    docstring); rank and world size default to the process group's. ``cost``: ``tokens`` or ``flops``
+    (for ``model``'s shape, `treepack.stats.MODEL_SHAPES`; the default model if None)."""
+    return shard_batch(list(packs), flops=cost_model(cost, model), rank=rank, world_size=world_size,
+                       min_gain=KEEP_WHOLE)
 
 
 def global_totals(local: BatchTotals, group=None) -> BatchTotals:
     """Sum of every rank's `BatchTotals` (one all-reduce of two int64s; identity without a process group)."""
-    from treepack.train.distributed import all_reduce_totals  # imports torch.distributed
-
     return all_reduce_totals(local, group)

@@ -7,17 +7,21 @@ Two uses, one principle (minimise the costliest rank: the step waits for it):
   (lines 30-32). Costs (``BALANCE_COSTS``): ``tokens`` (real tokens), or ``flops``: the FLOP model of
   DESIGN §9 with the named model shape (`treepack.pack.cost`).
 - ``balance_units`` (the trainer, each global batch): sharing-aware. Units (packs, or whole trees) share no
-  tokens, so whole units are assigned first, by the better of LPT with move/swap refinement and the
+  tokens, so whole units are assigned first, by the best of LPT with move/swap refinement, the
   contiguous split (contiguity buys nothing between packs; a non-contiguous assignment often balances
-  better: [5, 5, 3, 3] over 2 ranks is 8/8, contiguous at best 10/6). Only then may a unit be cut across
-  ranks, which computes its shared prefix twice: the smallest bottleneck ``tau`` for which `_fill` fits
-  every unit into K ranks (cutting a unit only when no whole one fits the room left, at the cut that
-  duplicates least) is found by binary search, and the cut assignment is kept only if it lowers the
-  predicted step time by ``MIN_GAIN`` (1%) or more. Costs are FLOPs of the layout the mode runs
-  (`treepack.pack.cost.RunCosts`), so a rank of long, deep trees is not mistaken for a light one.
-  ``split_run`` is Algorithm 4 itself (one unit, K contiguous pieces, LCP-aware costs): what the
-  cutting uses, and the baseline of ``benchmarks/balance.py``. Everything is deterministic (integer costs,
-  fixed tie-breaks): every rank computes the same split with no communication.
+  better: [5, 5, 3, 3] over 2 ranks is 8/8, contiguous at best 10/6) and `_fill` at the smallest room
+  that fits every unit whole. Only then may a unit be cut across ranks, which computes its shared prefix
+  twice: the smallest bottleneck ``tau`` for which `_fill` fits every unit into K ranks (cutting a unit
+  only when no whole one fits the room left, at the cut that duplicates least) is found by binary
+  search, and the cut assignment is kept only if it cuts and lowers the predicted step time by
+  ``MIN_GAIN`` (1%) or more against the whole split; otherwise the answer is the whole split itself.
+  ``min_gain=KEEP_WHOLE`` never cuts and returns that whole split (what ``treepack.hf.shard_packs`` asks
+  for: its users feed whole packs to a model), the very split the trainer runs whenever it cuts nothing.
+  Costs are FLOPs of the layout the mode runs (`treepack.pack.cost.RunCosts`), so a rank of long, deep
+  trees is not mistaken for a light one. ``split_run`` is Algorithm 4 itself (one unit, K contiguous
+  pieces, LCP-aware costs): what the cutting uses, and the baseline of ``benchmarks/balance.py``.
+  Everything is deterministic (integer costs, fixed tie-breaks): every rank computes the same split with
+  no communication.
 """
 
 from __future__ import annotations
@@ -31,18 +35,29 @@ import numpy as np
 
 from treepack.errors import TreepackError
 from treepack.io.rollouts import Rollouts
-from treepack.pack.cost import RunCosts
+from treepack.pack.cost import TOKENS, FlopModel, RunCosts
 from treepack.pack.layout import Pack, build_pack
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES
 
 BALANCE_COSTS = ("tokens", "flops")
 
 
+def _check_cost(cost: str) -> None:
+    if cost not in BALANCE_COSTS:
+        raise TreepackError(f"balance cost must be one of {', '.join(BALANCE_COSTS)}, got {cost!r}")
+
+
+def cost_model(cost: str = "tokens", model: str | None = None) -> FlopModel:
+    """The `FlopModel` a balance cost names: ``tokens`` (1 per token through the layers) or ``flops``
+    (DESIGN §9 for ``model``'s shape, `DEFAULT_MODEL` if None: loss tokens pay the head, pairs attention)."""
+    _check_cost(cost)
+    return TOKENS if cost == "tokens" else FlopModel.named(model or DEFAULT_MODEL)
+
+
 def pack_costs(tokens: np.ndarray, attention_pairs: np.ndarray, cost: str = "tokens",
                model: str = DEFAULT_MODEL) -> list[int]:
     """Cost of each pack as exact integers: its tokens, or its fwd+bwd FLOPs under ``model``'s shape."""
-    if cost not in BALANCE_COSTS:
-        raise TreepackError(f"balance cost must be one of {', '.join(BALANCE_COSTS)}, got {cost!r}")
+    _check_cost(cost)
     if cost == "tokens":
         return [int(t) for t in tokens]
     if model not in MODEL_SHAPES:
@@ -141,6 +156,7 @@ def balance_packs(costs: list[int], steps: np.ndarray | None, k: int, *, cost: s
 
 
 MIN_GAIN = 0.01  # a pack is cut across ranks only when that lowers the predicted step time by >= 1%
+KEEP_WHOLE = 1.0  # the min_gain that never cuts: no cut lowers the step time by 100%
 
 
 def split_run(costs: RunCosts, m: int, *, exactly: bool = False) -> list[int]:
@@ -327,39 +343,60 @@ def _fill(units: list[RunCosts], k: int, tau: int, slack: int) -> list[tuple[int
 def balance_units(units: list[RunCosts], k: int, *, min_gain: float = MIN_GAIN) -> UnitSplit:
     """Sharing-aware K-way balance of one global batch of units (packs or trees: they share no tokens).
 
-    Whole units first (`assign_units`: no prefix is duplicated). Then the splittable variant: the
-    smallest bottleneck tau (binary search) for which `_fill` fits every unit into K ranks of room tau,
-    cutting a unit only where no whole piece fits the room left, at the cut that duplicates least; its
-    pieces are re-assigned by `assign_units` when that does better. The split is taken only if it lowers
-    the predicted step time (the costliest rank) by at least ``min_gain``: a shared prefix is computed on
-    two ranks only when that is what it takes to cut the step time.
+    Whole units first (no prefix is duplicated): the better of `assign_units` and `_fill` at the smallest
+    room tau (binary search) that fits every unit whole. Then the splittable variant: the smallest tau
+    for which `_fill` fits every unit into K ranks, cutting a unit only where no whole piece fits the room
+    left, at the cut that duplicates least; its pieces are re-assigned by `assign_units` when that does
+    better. It is taken only if it cuts and lowers the predicted step time (the costliest rank) by at
+    least ``min_gain`` against the whole split: a shared prefix is computed on two ranks only when that is
+    what it takes to cut the step time. So whenever nothing is cut, the answer is the whole split, the
+    same as ``min_gain >= 1`` (`KEEP_WHOLE`) gives, which skips the second search.
     """
     if k < 1:
         raise TreepackError(f"the number of ranks must be >= 1, got {k}")
     whole = [Piece(u, 0, c.n, c.whole, True) for u, c in enumerate(units) if c.n]
     best = _split_of(whole, assign_units([p.cost for p in whole], k), k, len(units))
-    if k == 1 or not whole or all(c.n < 2 for c in units):
+    if k == 1 or not whole:
         return best
-    total = sum(p.cost for p in whole)
-    lo, hi = max(max(int(c.full.max()) for c in units if c.n), -(-total // k)), max(best.loads)
+    floor = -(-sum(p.cost for p in whole) // k)
+    found = _search(units, k, max(max(p.cost for p in whole), floor), max(best.loads), None)
+    if found is not None:
+        packed = _split_of_fill(found, units, k)
+        best = packed if max(packed.loads) < max(best.loads) else best
+    if min_gain >= 1 or all(c.n < 2 for c in units):
+        return best
+    longest = max(int(c.full.max()) for c in units if c.n)  # no piece is cheaper than its costliest sequence
+    found = _search(units, k, max(longest, floor), max(best.loads), min_gain)
+    if found is None:
+        return best
+    split = _split_of_fill(found, units, k)
+    return split if split.split_units and max(split.loads) < max(best.loads) * (1 - min_gain) else best
+
+
+def _search(units: list[RunCosts], k: int, lo: int, hi: int, min_gain: float | None
+            ) -> list[tuple[int, int, int, int, int]] | None:
+    """`_fill` at the smallest room tau in [lo, hi) that fits (binary search to 1e-4); ``min_gain`` None:
+    whole units only (the slack is the whole room, so nothing is cut)."""
     found = None
     while lo < hi and (hi - lo) > lo * 1e-4:
         tau = (lo + hi) // 2
-        fill = _fill(units, k, tau, int(tau * min_gain))
+        fill = _fill(units, k, tau, tau if min_gain is None else int(tau * min_gain))
         if fill is None:
             lo = tau + 1
         else:
             hi, found = tau, fill
-    if found is None:
-        return best
+    return found
+
+
+def _split_of_fill(found: list[tuple[int, int, int, int, int]], units: list[RunCosts], k: int) -> UnitSplit:
+    """The `_fill` pieces in unit order, on `_fill`'s ranks or `assign_units`', whichever is better."""
     pieces = [Piece(u, a, b, cost, a == 0 and b == units[u].n) for u, a, b, cost, _ in found]
     order = sorted(range(len(pieces)), key=lambda i: (pieces[i].unit, pieces[i].start))
     pieces = [pieces[i] for i in order]
     ranks = [found[i][4] for i in order]
-    split = min(_split_of(pieces, ranks, k, len(units)),
-                _split_of(pieces, assign_units([p.cost for p in pieces], k), k, len(units)),
-                key=lambda s: max(s.loads))
-    return split if max(split.loads) < max(best.loads) * (1 - min_gain) else best
+    return min(_split_of(pieces, ranks, k, len(units)),
+               _split_of(pieces, assign_units([p.cost for p in pieces], k), k, len(units)),
+               key=lambda s: max(s.loads))
 
 
 def _split_of(pieces: list[Piece], ranks: list[int], k: int, n_units: int) -> UnitSplit:

@@ -73,6 +73,9 @@ class FlopModel:
                 + self.per_pair * np.asarray(pairs, np.int64))
 
 
+TOKENS = FlopModel(1, 0, 0, name="tokens")  # a cost of 1 per token through the layers: a token-count balance
+
+
 def _pairs(n: np.ndarray) -> np.ndarray:
     """Causal (query, key) pairs of a chain of n tokens: n (n + 1) / 2."""
     n = np.asarray(n, dtype=np.int64)
@@ -197,4 +200,4 @@ def rollout_run_costs(r: Rollouts, index: np.ndarray | None = None, flops: FlopM
     is_leaf = np.ones(len(order), bool)
     if len(order) > 1:
         is_leaf[:-1] = lcp[1:] < lengths[:-1]
-    return index[order], run_costs(lengths, lcp, rows, new_rows, flops or FlopModel(1, 0, 0), layout, is_leaf=is_leaf)
+    return index[order], run_costs(lengths, lcp, rows, new_rows, flops or TOKENS, layout, is_leaf=is_leaf)

@@ -15,8 +15,11 @@ tokens, so nothing is computed twice); a pack is cut into pieces across ranks on
 predicted step time by at least 1%, at the cut that duplicates the least shared prefix. It is
 deterministic (integer costs, fixed tie-breaks), so every rank computes the same split without talking.
 Where a user's ranks hold only their own data, `global_totals` all-reduces the two counts instead.
+`treepack.hf.shard_packs` is this same split with ``min_gain=KEEP_WHOLE`` (never a cut pack: a Hugging
+Face model takes a pack whole) and a named cost (tokens, or a model shape's FLOPs): one balance, one
+`RankShare`, whichever door a user comes in by.
 
-Library use (a user's FSDP loop; ``treepack.hf`` re-exports these):
+Library use (a user's FSDP loop):
 
     share = shard_batch(global_batch_packs, flops=flop_model(model_args), mode="tree")
     for pack in share.packs:
@@ -74,7 +77,7 @@ def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tu
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if not 0 <= rank < world_size:
-        raise TreepackError(f"rank {rank} is outside the world of {world_size} ranks")
+        raise TreepackError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
     return rank, world_size
 
 
@@ -85,13 +88,20 @@ class RankShare:
     rank: int
     world_size: int
     packs: list[Pack]  # this rank's packs, in batch order: whole packs, or pieces of the packs that were cut
+    index: list[int]  # batch position of each of them (of the pack a piece was cut from)
     totals: BatchTotals  # normalisers of the WHOLE global batch (every rank's packs)
     split: UnitSplit  # which rank runs which piece of which pack
     rank_work: list[Work]  # exact work of every rank (tokens, predicted tokens, attention pairs)
-    rank_cost: list[int]  # exact predicted FLOPs of every rank
+    rank_cost: list[int]  # exact predicted cost of every rank: fwd+bwd FLOPs, or tokens (``cost``)
     rank_packs: list[int]  # packs (or pieces) of every rank
     layout: str = "tree"
+    cost: str = "flops"  # what rank_cost counts: "flops", or "tokens" (the `TOKENS` cost model)
     extra: dict = field(default_factory=dict)
+
+    @property
+    def ddp_loss_scale(self) -> float:
+        """Factor for each rank's loss when gradients are averaged over ranks (DDP) instead of summed."""
+        return float(self.world_size)
 
     @property
     def imbalance(self) -> float:
@@ -109,10 +119,12 @@ class RankShare:
         head = f"split{'' if step is None else f' of step {step}'} over {self.world_size} ranks"
         n_packs = self.split.n_units
         cut = f"{self.n_split_packs} of {n_packs} packs cut" if self.n_split_packs else f"{n_packs} packs, none cut"
-        lines = [f"{head} ({cut}; cost: fwd+bwd FLOPs of the {self.layout} layout):"]
+        what = "tokens" if self.cost == "tokens" else "fwd+bwd FLOPs"
+        lines = [f"{head} ({cut}; cost: {what} of the {self.layout} layout):"]
         for r in range(self.world_size):
-            lines.append(f"  rank {r}: {self.rank_packs[r]} packs | {si(self.rank_work[r].tokens)} tokens | "
-                         f"{si(self.rank_cost[r], ' FLOP')} ({100 * self.rank_cost[r] / total:.1f}%)")
+            cost = "" if self.cost == "tokens" else f" | {si(self.rank_cost[r], ' FLOP')}"
+            lines.append(f"  rank {r}: {self.rank_packs[r]} packs | {si(self.rank_work[r].tokens)} tokens"
+                         f"{cost} ({100 * self.rank_cost[r] / total:.1f}%)")
         lines.append(f"  imbalance {100 * (self.imbalance - 1):.1f}% (costliest rank / mean - 1)")
         return lines
 
@@ -127,8 +139,9 @@ def shard_batch(packs: list[Pack], *, flops, mode: str = "tree", rank: int | Non
                 ) -> RankShare:
     """This rank's share of the global batch ``packs`` (every rank passes the same list, in the same
     order) and the normalisers of the whole batch; rank and world size default to the process group's.
-    ``flops``: a `FlopModel`, or the `ModelArgs` of the trained model; ``mode``: the execution mode's name
-    (its layout decides the cost: `MODE_LAYOUTS`).
+    ``flops``: a `FlopModel` (`TOKENS` balances tokens), or the `ModelArgs` of the trained model;
+    ``mode``: the execution mode's name (its layout decides the cost: `MODE_LAYOUTS`). ``min_gain``: the
+    step time a cut pack must save (`KEEP_WHOLE`: whole packs only).
     ``totals`` overrides the normalisers (e.g. `global_totals` of a larger batch). GRPO advantages that
     are normalised per group must be computed on the whole batch first (`losses.group_advantages`)."""
     rank, world_size = rank_and_world(rank, world_size)
@@ -140,6 +153,7 @@ def shard_batch(packs: list[Pack], *, flops, mode: str = "tree", rank: int | Non
     units = [pack_run_costs(p, flops, layout) for p in packs]
     split = balance_units(units, world_size, min_gain=min_gain)
     mine: list[Pack] = []
+    index: list[int] = []
     rank_work = [Work() for _ in range(world_size)]
     rank_cost = [0] * world_size
     rank_packs = [0] * world_size
@@ -155,8 +169,11 @@ def shard_batch(packs: list[Pack], *, flops, mode: str = "tree", rank: int | Non
             rank_packs[r] += 1
             if r == rank:
                 mine.append(pack)
-    return RankShare(rank=rank, world_size=world_size, packs=mine, totals=totals, split=split, rank_work=rank_work,
-                     rank_cost=rank_cost, rank_packs=rank_packs, layout=layout)
+                index.append(piece.unit)
+    counts_tokens = (flops.per_token, flops.per_predicted, flops.per_pair) == (1, 0, 0)
+    return RankShare(rank=rank, world_size=world_size, packs=mine, index=index, totals=totals, split=split,
+                     rank_work=rank_work, rank_cost=rank_cost, rank_packs=rank_packs, layout=layout,
+                     cost="tokens" if counts_tokens else "flops")
 
 
 def global_totals(rows: list[LossRows], group=None) -> BatchTotals:
