@@ -144,7 +144,24 @@ def plan_only(args) -> str:
 # GPU measurement
 
 
-def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int) -> dict:
+def gpu_busy(step) -> tuple[float, float]:
+    """(wall seconds, seconds the GPU ran kernels or copies: the union of their intervals) of one ``step()``
+    under torch.profiler. Busy well below wall means the host (Python, launches) sets the pace."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall = step()[0]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy_us, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            busy_us += hi - max(lo, end)
+            end = hi
+    return wall, busy_us / 1e6
+
+
+def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, profile: bool = False) -> dict:
     import torch
 
     rows = [LossRows.from_pack(p) for p in packs]
@@ -173,8 +190,11 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int) 
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         return {"oom": True}
-    return {"seconds": statistics.median(t for t, _, _ in runs), "peak": max(m for _, m, _ in runs),
-            "work": runs[-1][2], "times": [t for t, _, _ in runs]}
+    out = {"seconds": statistics.median(t for t, _, _ in runs), "peak": max(m for _, m, _ in runs),
+           "work": runs[-1][2], "times": [t for t, _, _ in runs]}
+    if profile and cuda:
+        out["profiled_wall"], out["gpu_busy"] = gpu_busy(step)
+    return out
 
 
 def run_gpu(args) -> None:
@@ -246,9 +266,10 @@ def run_gpu(args) -> None:
                     label = f"tree C={block}" if mode_name == "tree" else mode_name
                 mode = make_mode(mode_name.removesuffix("-leaf"), attention=None if mode_name.startswith("dense") else args.attention,
                                  dfs_block_size=block if mode_name == "dfs" else None, dfs_keep_tokens=keep,
-                                 chunk_rows=args.logits_chunk, dfs_subtree_calls=not args.walk)
+                                 chunk_rows=args.logits_chunk, dfs_subtree_calls=not args.walk,
+                                 micro_batch_tokens=args.dense_tokens if mode_name.startswith("dense") else None)
                 packs = groups[label if mode_name == "tree" else mode_name]
-                results[label] = measure(model, packs, mode, objective, args.repeats)
+                results[label] = measure(model, packs, mode, objective, args.repeats, args.profile)
                 results[label]["packs"] = len(packs)
                 print(label, {k: v for k, v in results[label].items() if k != "work"}, flush=True)
         leaf_s = results.get("dense-leaf", {}).get("seconds")
@@ -270,6 +291,13 @@ def run_gpu(args) -> None:
                          f"| {_vs_tree_same_memory(res, trees)} "
                          f"| {ratio(leaf_s, res['seconds'])} | {res['peak'] / 2**30:.2f} "
                          f"| | | |\n")
+        profiled = [(label, res) for label, res in results.items() if "gpu_busy" in res]
+        if profiled:
+            out_text += "\nGPU busy (union of kernel and copy intervals, torch.profiler) over one profiled step:\n"
+            for label, res in profiled:
+                out_text += (f"- {label}: {res['gpu_busy']:.3f} s busy of {res['profiled_wall']:.3f} s wall "
+                             f"({res['gpu_busy'] / res['profiled_wall']:.0%}); host-bound share "
+                             f"{1 - res['gpu_busy'] / res['profiled_wall']:.0%}\n")
         if name == "tau-bench" and len(r) == 144:
             out_text += "\n"
             for ref in AREAL_DTA:
@@ -323,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plan-only", action="store_true", help="print the dfs accounting (CPU, no model)")
+    ap.add_argument("--profile", action="store_true", help="one more step per run under torch.profiler: GPU busy "
+                                                           "time against wall time")
     ap.add_argument("--out", type=Path, default=None, help="write the markdown results here")
     args = ap.parse_args(argv)
     for w in args.workloads:

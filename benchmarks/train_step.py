@@ -595,8 +595,12 @@ class Bench:
             res.flops, res.note = auto_work(mode, trainer, work, job.model)
             self.log(f"{label}: {res.note}")
         else:
+            # dense: each micro-batch of dense_batches is one pack; its lanes in one call of <= --dense-tokens
+            # flat tokens (the mode's default bound, the pack's trie tokens, would cut shared leaves into
+            # several calls)
             mode = make_mode("dense" if work.dense else "tree", chunk_rows=trainer.logits_chunk,
-                             attention=None if work.dense else job.runner.split("/")[1])
+                             attention=None if work.dense else job.runner.split("/")[1],
+                             micro_batch_tokens=self.dense_tokens if work.dense else None)
         ckpt = work.largest >= self.oom_tokens.get(job.model, 1 << 62)
         self.log(f"{label}: {res.packs} packs, {res.tokens:,} tokens, {res.flops / 1e12:.0f} TFLOP"
                  + (" (activation checkpointing)" if ckpt else ""))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 # CUDA kernel names -> groups (first match wins): where a step's GPU time goes
 KERNEL_GROUPS = (
     ("tree attention (Triton)", ("fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel", "bwd_delta_kernel")),
+    ("tree attention (FA4)", ("flash_attncute", "flashattentionforwardsm", "flashattentionbackwardsm")),
     ("matmul (cuBLAS)", ("gemm", "nvjet", "xmma", "cutlass", "splitk")),
     ("attention (flash, flex)", ("flash", "fmha", "triton_tem", "attention")),
     ("optimizer (AdamW, clipping)", ("adam", "multi_tensor", "foreach", "norm_kernel")),

@@ -21,13 +21,16 @@ Memory. The path cache holds the longest path's K/V and their gradients: per tok
 in bf16: 112 KiB + 224 KiB per path token, 3.0 GiB for tau-bench's 9.4k-token path). The graph alive at
 once is one call's (``block_size`` tokens) plus the kept pieces (``keep_tokens``); it does not grow with
 the tree. Time. Each step is a full model call, so its host-side cost matters: ~1,800 kernel launches
-per call for Qwen3-0.6B (28 layers, one compiled graph per layer), which a call of a few thousand tokens
-hides only if nothing makes the host wait for the GPU: the per-call path has no host sync
-(tests/test_host_sync_gpu.py). On an H200 a tau-bench step took 1.09-1.16 s at B=8192 (11 calls) against
-1.21-1.25 s for tree mode in 3 packs, at 17 GiB instead of 43 GiB; at B=4096 (12.7 GiB, 28 calls) it is
-host-bound, 1.6-2.2 s. Prefer the largest block the memory allows (benchmarks/results/2026-11-21-dfs.md);
-where memory is short, ``train.activation_memory_budget`` below 1 lets the compiled layers recompute instead of
-saving (B=8192, 0.7: 13.1 GiB instead of 16.6, 1.16x the time), which costs less than a smaller block.
+per call for Qwen3-0.6B (28 layers, one compiled graph per layer) plus, per layer, FA4's Python launch path
+forward and backward (1.3-1.6 ms per small call); the per-call path has no host sync
+(tests/test_host_sync_gpu.py), yet a call of a few thousand tokens does not hide it. On an H200 a tau-bench
+step (144 records, B=8192, 11 calls, FA4) took 1.22-1.29 s at 13.06 GiB, of which the GPU was busy 0.95 s,
+less than tree mode's 0.98 s for the same records (benchmarks/results/2026-11-25-dfs-host-bound-h200.md):
+what remains is host time, which fewer, larger calls amortise. Prefer the largest block the memory allows:
+a smaller one anchors each leaf's tail beyond one block and adds calls (B=6144: 19 calls, 1.88 s; B=4096:
+28 calls, 27% of the tokens anchored, 2.53 s); where memory is short, ``train.activation_memory_budget``
+below 1 lets the compiled layers recompute instead of saving (B=8192 at 0.7: 13.06 GiB, at 0.85: 14.62 GiB
+and 2% faster), which costs less than a smaller block.
 
 Legend: T pack tokens, C tokens of a step, X targets of a step, U target tokens of the pack, R loss
 rows, L layers, P cached path rows, K kv heads, E head dim, D hidden size.
