@@ -152,3 +152,13 @@ def test_global_totals_all_reduce():
     out = manager.dict()
     mp.spawn(_all_reduce_worker, args=(2, port, out), nprocs=2, join=True)
     assert out[0] == out[1] and out[0].loss_tokens == 21 and out[0].sequences == 3
+
+
+def test_global_totals_is_the_trainers_and_takes_rows():
+    from treepack.train import distributed
+    from treepack.train.losses import BatchTotals, LossRows
+
+    assert global_totals is distributed.global_totals
+    packs = pack_rollouts(rollouts(), 24)
+    rows = [LossRows.from_pack(p) for p in packs]
+    assert global_totals(rows) == BatchTotals.of(rows) == global_totals(BatchTotals.of(rows))  # no process group

@@ -15,9 +15,10 @@ Sources (`PackDataset`):
   behaviour log-probs, rewards/advantages and group labels (GRPO groups) — packed on the fly.
 
 Each item is a `TreeBatch` (the pack's tensors, CPU; ``pin_memory`` supported). Splitting: packs are
-dealt to DataLoader workers round robin; with ``world_size > 1`` each rank first takes its share of every
-step (`treepack.hf.parallel.shard_packs`: whole packs, token-balanced, in pack order) or, for
-shards written with ``--balance K``, the rank stored in the shard.
+dealt to DataLoader workers round robin; with ``world_size > 1`` each rank first takes its share of all
+the source's packs, balanced as one batch (`treepack.hf.parallel.shard_packs`: whole packs, token-balanced,
+each rank's in pack order; split per step yourself with `shard_packs` where steps matter) or, for shards
+written with ``--balance K``, the rank stored in the shard.
 """
 
 from __future__ import annotations

@@ -24,8 +24,10 @@ from collections.abc import Sequence
 
 from treepack.pack.balance import KEEP_WHOLE, cost_model
 from treepack.pack.layout import Pack
-from treepack.train.distributed import RankShare, all_reduce_totals, shard_batch
+from treepack.train.distributed import RankShare, global_totals, shard_batch
 from treepack.train.losses import BatchTotals, LossRows
+
+__all__ = ["RankShare", "global_totals", "pack_totals", "shard_packs"]  # global_totals: the trainer's own
 
 
 def pack_totals(packs: Sequence[Pack]) -> BatchTotals:
@@ -43,6 +45,4 @@ def shard_packs(packs: Sequence[Pack], rank: int | None = None, world_size: int 
                        min_gain=KEEP_WHOLE)
 
 
-def global_totals(local: BatchTotals, group=None) -> BatchTotals:
-    """Sum of every rank's `BatchTotals` (one all-reduce of two int64s; identity without a process group)."""
-    return all_reduce_totals(local, group)
+

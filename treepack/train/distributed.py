@@ -176,10 +176,13 @@ def shard_batch(packs: list[Pack], *, flops, mode: str = "tree", rank: int | Non
                      cost="tokens" if counts_tokens else "flops")
 
 
-def global_totals(rows: list[LossRows], group=None) -> BatchTotals:
-    """The normalisers of the global batch when each rank holds only its own packs' rows: an all-reduce
-    (sum) of the local loss tokens and sequences. Without a process group, the local totals."""
-    return all_reduce_totals(BatchTotals.of(rows), group)
+def global_totals(local: BatchTotals | list[LossRows], group=None) -> BatchTotals:
+    """The normalisers of the global batch when each rank holds only its own packs: an all-reduce (sum) of
+    the local loss tokens and sequences, given as `BatchTotals` or as the rank's `LossRows`. Without a
+    process group, the local totals. (`treepack.hf.global_totals` is this function.)"""
+    if not isinstance(local, BatchTotals):
+        local = BatchTotals.of(local)
+    return all_reduce_totals(local, group)
 
 
 def all_reduce_totals(local: BatchTotals, group=None) -> BatchTotals:
