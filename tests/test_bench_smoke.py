@@ -73,3 +73,32 @@ def test_hf_benchmark_cpu_smoke(tmp_path, monkeypatch):
     assert "| gemma2 (soft-cap 2.0, window 4) | reference | module |" in text
     assert "### tau-bench: 8 sequences" in text and "### grpo-math: 6 sequences" in text
     assert text.count("| hf-tree |") == 2 and "skipped" not in text
+
+
+def test_fa4_blocks_orders_are_dfs_layouts_of_the_same_tree(monkeypatch):
+    """benchmarks/fa4_blocks.py: children by position reproduce the pack's own layout; any key gives a
+    valid layout (nested subtrees) of the same tree (the same subtree sizes)."""
+    import numpy as np
+    from strategies import rollouts_from
+
+    from treepack.pack.layout import build_pack
+
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    spec = importlib.util.spec_from_file_location("fa4_blocks_bench", BENCH.parent / "fa4_blocks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 50, 40).tolist()
+    seqs = [prompt[: int(rng.integers(5, 40))] + rng.integers(0, 50, int(rng.integers(1, 30))).tolist() for _ in range(12)]
+    pack = build_pack(rollouts_from(seqs))
+    T = pack.n_real
+    parent, end = np.asarray(pack.parent[:T], np.int64), np.asarray(pack.subtree_end[:T], np.int64)
+    size = end - np.arange(T)
+    assert np.array_equal(module.dfs_subtree_end(parent, np.arange(T)), end)
+    for key in (-size, size, rng.permutation(T)):
+        se = module.dfs_subtree_end(parent, key)
+        assert sorted((se - np.arange(T)).tolist()) == sorted(size.tolist())
+        q = np.arange(T)
+        assert np.all(se > q) and np.all(se <= T)
+        for k in range(T):  # nested: every token inside k's subtree ends within it
+            assert np.all(se[k + 1 : se[k]] <= se[k])
