@@ -1,7 +1,8 @@
 """Where training and verification get their packs: packed shard directories, or rollouts packed here.
 
-Rollout files are packed on the fly with a deliberately simple, order-preserving policy (the packing
-strategies of ``treepack pack`` optimise N_pack; this one only has to be correct and predictable):
+Rollout files are packed on the fly with a simple policy that keeps whole trees in input order (the
+packing strategies of ``treepack pack`` optimise N_pack over the whole batch; this one only has to be
+correct, predictable and never repeat a prefix it need not):
 trees (``tree_id`` groups, split by ``step`` when present) are taken in input order; a tree that fits the
 capacity joins the current pack when it still fits (trees never share tokens, so their sizes add), else
 starts a new pack; a tree larger than the capacity is cut by `treepack pack`'s own packer (strategy
