@@ -1,7 +1,7 @@
 """The FA4 backend's inputs and the backend choice, on CPU (the kernels themselves: test_fa4_gpu.py).
 
 * `fa4_tables`: every (query block, key block) with a visible pair is listed, full blocks are entirely
-  visible, the transposed lists hold the same pairs, and the key_end mask (``n - P <= m < key_end[n]``, the
+  visible, the backward's lists (query blocks of 128 or 80 rows) classify the same way transposed, and the key_end mask (``n - P <= m < key_end[n]``, the
   mask_mod's formula) equals the contract's dense mask, with and without a cached prefix (hypothesis).
 * `pick_backend`: reference off CUDA; on a (simulated) Hopper GPU with FA4 installed, fa4 from
   `FA4_MIN_FLOPS` on and triton below it; triton when FA4 is missing.
@@ -20,41 +20,61 @@ from treepack.kernels.tree_attention import backends, fa4
 from treepack.kernels.tree_attention.blocks import tree_mask, visible_pairs
 
 
-def _blocks(mask_TS: torch.Tensor, B: int) -> torch.Tensor:
-    """[M, N] any-visible per (query block, key block) of a dense mask."""
+def _blocks(mask_TS: torch.Tensor, Bq: int, Bk: int | None = None) -> torch.Tensor:
+    """[M, N] any-visible per (query block of Bq rows, key block of Bk columns) of a dense mask."""
+    Bk = Bq if Bk is None else Bk
     T, S = mask_TS.shape
-    M, N = -(-T // B), -(-S // B)
-    padded = torch.zeros(M * B, N * B, dtype=torch.bool)
+    M, N = -(-T // Bq), -(-S // Bk)
+    padded = torch.zeros(M * Bq, N * Bk, dtype=torch.bool)
     padded[:T, :S] = mask_TS
-    return padded.view(M, B, N, B).any(3).any(1)
+    return padded.view(M, Bq, N, Bk).any(3).any(1)
 
 
 def _listed(cnt, idx) -> list[set[int]]:
     return [set(idx[0, 0, r, : int(cnt[0, 0, r])].tolist()) for r in range(cnt.shape[-1])]
 
 
-@settings(max_examples=25, deadline=None)
-@given(T=st.integers(1, 700), P=st.sampled_from([0, 1, 127, 128, 300]), seed=st.integers(0, 10_000),
-       branch=st.sampled_from([0.0, 0.05, 0.3]))
-def test_fa4_tables_cover_exactly_the_visible_blocks(T, P, seed, branch):
-    se = random_subtree_end(T, seed=seed, branch=branch)
-    B = fa4.FA4_BLOCK
-    key_end, pc, pi, fc, fi, bpc, bpi, bfc, bfi = fa4.fa4_tables(se, P)
-    mask = tree_mask(se, P)  # [T, P + T]
-    S = P + T
-    n, m = torch.arange(S), torch.arange(T)
-    assert torch.equal((n[None] - P <= m[:, None]) & (m[:, None] < key_end[:S][None].long()), mask)
-    visible = _blocks(mask, B)
-    partial, full = _listed(pc, pi), _listed(fc, fi)
+def _check_grid(mask, partial, full, Bq, Bk):
+    """Rows are query blocks of Bq: no block both partial and full, every visible block listed, full blocks
+    entirely visible (a ragged key block never full)."""
+    visible = _blocks(mask, Bq, Bk)
+    assert len(partial) == visible.shape[0]
     for i in range(visible.shape[0]):
         assert not partial[i] & full[i]
         assert partial[i] | full[i] >= set(visible[i].nonzero().flatten().tolist())
         for j in full[i]:
-            blk = mask[i * B:(i + 1) * B, j * B:(j + 1) * B]
-            assert blk.shape[1] == B and bool(blk.all())
-    for j, (bp, bf) in enumerate(zip(_listed(bpc, bpi), _listed(bfc, bfi))):
-        assert bp == {i for i in range(len(partial)) if j in partial[i]}
-        assert bf == {i for i in range(len(full)) if j in full[i]}
+            blk = mask[i * Bq:(i + 1) * Bq, j * Bk:(j + 1) * Bk]
+            assert blk.shape[1] == Bk and bool(blk.all())
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 700), P=st.sampled_from([0, 1, 127, 128, 300]), seed=st.integers(0, 10_000),
+       branch=st.sampled_from([0.0, 0.05, 0.3]), bwd_q=st.sampled_from(fa4.FA4_BWD_BLOCKS_Q))
+def test_fa4_tables_cover_exactly_the_visible_blocks(T, P, seed, branch, bwd_q):
+    se = random_subtree_end(T, seed=seed, branch=branch)
+    B = fa4.FA4_BLOCK
+    key_end, pc, pi, fc, fi, bpc, bpi, bfc, bfi = fa4.fa4_tables(se, P, bwd_block_q=bwd_q)
+    mask = tree_mask(se, P)  # [T, P + T]
+    S = P + T
+    n, m = torch.arange(S), torch.arange(T)
+    assert torch.equal((n[None] - P <= m[:, None]) & (m[:, None] < key_end[:S][None].long()), mask)
+    _check_grid(mask, _listed(pc, pi), _listed(fc, fi), B, B)
+    # the backward's lists: per key block its query blocks of bwd_q rows, the same classification transposed
+    bwd_partial, bwd_full = _listed(bpc, bpi), _listed(bfc, bfi)
+    assert len(bwd_partial) == -(-S // B)
+    M = -(-T // bwd_q)
+    _check_grid(mask, [{j for j in range(len(bwd_partial)) if i in bwd_partial[j]} for i in range(M)],
+                [{j for j in range(len(bwd_full)) if i in bwd_full[j]} for i in range(M)], bwd_q, B)
+    if bwd_q == B:  # the forward's classification, transposed
+        partial, full = _listed(pc, pi), _listed(fc, fi)
+        for j, (bp, bf) in enumerate(zip(bwd_partial, bwd_full)):
+            assert bp == {i for i in range(len(partial)) if j in partial[i]}
+            assert bf == {i for i in range(len(full)) if j in full[i]}
+
+
+def test_fa4_tables_reject_an_unsupported_backward_block():
+    with pytest.raises(ValueError, match="bwd_block_q must be one of"):
+        fa4.fa4_tables(random_subtree_end(50, seed=0), 0, bwd_block_q=96)
 
 
 def test_fa4_tables_list_no_empty_block_on_a_forest():

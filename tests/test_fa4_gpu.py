@@ -4,7 +4,8 @@ Same rule as test_tree_attention_gpu.py: FA4 (bf16) and a bf16 run of the refere
 float32 reference on the same rounded inputs; FA4's error on the output and on every gradient (prefix
 included) must be at most 2x torch's plus the dtype's rounding at the values' magnitude. Then a compiled
 bf16 training step of tree mode with ``attention = "fa4"`` (the custom op inside the compiled layer) must be
-as close to a float64 reference as the Triton kernel's step is.
+as close to a float64 reference as the Triton kernel's step is. The backward on 80-row query blocks and the
+launch replay (checked against FA4's own path on every call) meet the same bound.
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ def _grads(fn, ins, dout):
     return [out, *torch.autograd.grad(out, ins, dout)]
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize(("K", "P"), [(8, 0), (8, 300), (16, 0), (4, 129)])
-def test_fa4_matches_reference_within_torch_error(tree, K, P):
+def _close_to_reference(tree, K, P, calls=1):
+    """FA4's out and gradients within 2x torch's bf16 error of a float32 reference, ``calls`` times."""
     se = TREES[tree]().cuda()
     T, H, D = se.numel(), 16, 128
     q, k, v, pk, pv = make_qkv(T, H, K, D, dtype=torch.bfloat16, seed=T + P, P=P, device="cuda")
@@ -62,13 +62,43 @@ def test_fa4_matches_reference_within_torch_error(tree, K, P):
 
     ref32 = _grads(lambda *t: call("reference", *t), [t.float() for t in ins], dout.float())
     ref16 = _grads(lambda *t: call("reference", *t), ins, dout)
-    got = _grads(lambda *t: call("fa4", *t), ins, dout)
-    for name, g, r16, r32 in zip(["out", "dq", "dk", "dv", "dpk", "dpv"], got, ref16, ref32):
-        assert not torch.isnan(g).any(), name
-        err = float((g.float() - r32).abs().max())
-        torch_err = float((r16.float() - r32).abs().max())
-        floor = 2 ** -8 * float(r32.abs().max()) + 1e-5
-        assert err <= 2 * torch_err + floor, f"{tree} K={K} P={P} {name}: fa4 {err:.3g}, torch {torch_err:.3g}"
+    for _ in range(calls):
+        got = _grads(lambda *t: call("fa4", *t), ins, dout)
+        for name, g, r16, r32 in zip(["out", "dq", "dk", "dv", "dpk", "dpv"], got, ref16, ref32):
+            assert not torch.isnan(g).any(), name
+            err = float((g.float() - r32).abs().max())
+            torch_err = float((r16.float() - r32).abs().max())
+            floor = 2 ** -8 * float(r32.abs().max()) + 1e-5
+            assert err <= 2 * torch_err + floor, f"{tree} K={K} P={P} {name}: fa4 {err:.3g}, torch {torch_err:.3g}"
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize(("K", "P"), [(8, 0), (8, 300), (16, 0), (4, 129)])
+def test_fa4_matches_reference_within_torch_error(tree, K, P):
+    _close_to_reference(tree, K, P)
+
+
+@pytest.mark.parametrize("tree", ["random_1025", "chain_4096", "star_500_siblings"])
+@pytest.mark.parametrize("P", [0, 300])
+def test_fa4_backward_on_80_row_query_blocks(tree, P, monkeypatch):
+    from treepack.kernels.tree_attention import fa4
+
+    monkeypatch.setattr(fa4, "FA4_BWD_BLOCK_Q", 80)
+    _close_to_reference(tree, 8, P)
+
+
+@pytest.mark.parametrize("P", [0, 129])
+def test_fa4_launch_replay_matches_fa4_and_the_reference(P, monkeypatch):
+    """Five calls of one shape: plain, recorded, three replays, each checked against FA4's own path
+    (``check``) and against the reference."""
+    from treepack.kernels.tree_attention import fa4
+
+    monkeypatch.setenv("TREEPACK_FA4_REPLAY", "check")
+    before = [(s.replayed, sum(s.refused.values())) for s in fa4.fa4_replay_stats()]
+    _close_to_reference("random_1025", 8, P, calls=5)
+    after = [(s.replayed, sum(s.refused.values())) for s in fa4.fa4_replay_stats()]
+    for (r0, f0), (r1, f1) in zip(before, after):
+        assert r1 - r0 >= 3 and f1 == f0, [s.line() for s in fa4.fa4_replay_stats()]
 
 
 def test_compiled_tree_step_with_fa4_is_as_close_as_triton():

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -43,11 +44,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .blocks import TreeMaskInfo
+from .fa4_replay import LaunchReplay, ReplayStats
 
 __all__ = ["FA4_BLOCK", "FA4_DTYPES", "FA4_HEAD_DIMS", "fa4_importable", "fa4_supported_device", "fa4_tables",
            "fa4_unsupported_reason", "tree_attention_fa4"]
 
 FA4_BLOCK = 128  # FA4's Hopper forward tile (hdim 128) and the block-sparsity granularity it requires there
+# The backward's query blocks: FA4's Hopper backward runs 64-row tiles on 128-row sparse blocks, 80-row tiles
+# (FA3's non-causal hdim-128 choice) on 80-row ones
+FA4_BWD_BLOCKS_Q = (128, 80)
+FA4_BWD_BLOCK_Q = 128
 FA4_DTYPES = (torch.bfloat16, torch.float16)
 FA4_HEAD_DIMS = (64, 128)
 FA4_ARCH_MAJORS = (9, 10)  # Hopper, Blackwell (datacenter)
@@ -117,43 +123,60 @@ def _compact(mask_RC: Tensor) -> tuple[Tensor, Tensor]:
     return mask_RC.sum(1, dtype=torch.int32)[None, None].contiguous(), idx_RC[None, None].contiguous()
 
 
-def fa4_tables(subtree_end: Tensor | TreeMaskInfo, prefix_len: int = 0) -> tuple[Tensor, ...]:
+def _block_masks(lo_S: Tensor, hi_S: Tensor, T: int, block_q: int) -> tuple[Tensor, Tensor]:
+    """(partial, full) [M, N] for query blocks of ``block_q`` rows and FA4_BLOCK-key blocks, from each key's
+    first visible query ``lo_S`` and exclusive end ``hi_S``."""
+    S, dev = lo_S.numel(), lo_S.device
+    M, N = -(-T // block_q), -(-S // FA4_BLOCK)
+    pad = N * FA4_BLOCK - S
+    lo_NB = F.pad(lo_S, (0, pad), value=T).view(N, FA4_BLOCK)  # a ragged key block is never full, never seen past S
+    hi_NB = F.pad(hi_S, (0, pad), value=0).view(N, FA4_BLOCK)
+    q0_M = torch.arange(M, device=dev, dtype=torch.int32) * block_q
+    qlast_M = torch.clamp(q0_M + block_q, max=T) - 1
+    nonempty_MN = (lo_NB.amin(1)[None, :] <= qlast_M[:, None]) & (hi_NB.amax(1)[None, :] > q0_M[:, None])
+    full_MN = (lo_NB.amax(1)[None, :] <= q0_M[:, None]) & (hi_NB.amin(1)[None, :] > qlast_M[:, None])
+    return nonempty_MN & ~full_MN, full_MN
+
+
+def fa4_tables(subtree_end: Tensor | TreeMaskInfo, prefix_len: int = 0, *,
+               bwd_block_q: int | None = None) -> tuple[Tensor, ...]:
     """FA4's inputs besides q, k, v for a pack and prefix length: (key_end [S padded to 128], forward block
-    lists: partial count, partial index, full count, full index; backward (transposed): the same four).
-    Cached on a TreeMaskInfo per prefix length. ~10 small torch ops on the pack's device."""
+    lists: partial count, partial index, full count, full index; backward (transposed, query blocks of
+    ``bwd_block_q`` rows, default `FA4_BWD_BLOCK_Q`): the same four). Cached on a TreeMaskInfo per prefix
+    length and block size. ~20 small torch ops on the pack's device."""
+    bwd_block_q = FA4_BWD_BLOCK_Q if bwd_block_q is None else int(bwd_block_q)
+    if bwd_block_q not in FA4_BWD_BLOCKS_Q:
+        raise ValueError(f"bwd_block_q must be one of {FA4_BWD_BLOCKS_Q}, got {bwd_block_q}")
     info = subtree_end if isinstance(subtree_end, TreeMaskInfo) else None
-    key = ("fa4", int(prefix_len))
+    key = ("fa4", int(prefix_len), bwd_block_q)
     if info is not None and key in info.cache:
         return info.cache[key]
     se_T = (info.subtree_end_T if info is not None else subtree_end).to(torch.int32)
-    T, P, dev, B = se_T.numel(), int(prefix_len), se_T.device, FA4_BLOCK
+    T, P, dev = se_T.numel(), int(prefix_len), se_T.device
     S = P + T
-    M, N = -(-T // B), -(-S // B)
-    pad = N * B - S
     # per key: first query that sees it (lo) and the exclusive end of its queries (hi)
     lo_S = torch.cat([torch.zeros(P, device=dev, dtype=torch.int32), torch.arange(T, device=dev, dtype=torch.int32)])
     hi_S = torch.cat([torch.full((P,), T, device=dev, dtype=torch.int32), se_T])
-    lo_NB = F.pad(lo_S, (0, pad), value=T).view(N, B)  # a ragged key block is never full, never seen past S
-    hi_NB = F.pad(hi_S, (0, pad), value=0).view(N, B)
-    q0_M = torch.arange(M, device=dev, dtype=torch.int32) * B
-    qlast_M = torch.clamp(q0_M + B, max=T) - 1
-    nonempty_MN = (lo_NB.amin(1)[None, :] <= qlast_M[:, None]) & (hi_NB.amax(1)[None, :] > q0_M[:, None])
-    full_MN = (lo_NB.amax(1)[None, :] <= q0_M[:, None]) & (hi_NB.amin(1)[None, :] > qlast_M[:, None])
-    partial_MN = nonempty_MN & ~full_MN
+    partial_MN, full_MN = _block_masks(lo_S, hi_S, T, FA4_BLOCK)
+    if bwd_block_q != FA4_BLOCK:
+        bpartial_MN, bfull_MN = _block_masks(lo_S, hi_S, T, bwd_block_q)
+    else:
+        bpartial_MN, bfull_MN = partial_MN, full_MN
+    pad = -(-S // FA4_BLOCK) * FA4_BLOCK - S
     out = (F.pad(hi_S, (0, pad), value=0).contiguous(),
            *_compact(partial_MN), *_compact(full_MN),
-           *_compact(partial_MN.T.contiguous()), *_compact(full_MN.T.contiguous()))
+           *_compact(bpartial_MN.T.contiguous()), *_compact(bfull_MN.T.contiguous()))
     if info is not None:
         info.cache[key] = out
     return out
 
 
-def _sparse(tables: tuple[Tensor, ...]):
+def _sparse(tables: tuple[Tensor, ...], bwd_block_q: int):
     BST = _fa4()[2]
     fwd = BST(mask_block_cnt=tables[0], mask_block_idx=tables[1], full_block_cnt=tables[2],
               full_block_idx=tables[3], block_size=(FA4_BLOCK, FA4_BLOCK))
     bwd = BST(mask_block_cnt=tables[4], mask_block_idx=tables[5], full_block_cnt=tables[6],
-              full_block_idx=tables[7], block_size=(FA4_BLOCK, FA4_BLOCK))
+              full_block_idx=tables[7], block_size=(bwd_block_q, FA4_BLOCK))
     return fwd, bwd
 
 
@@ -161,24 +184,44 @@ def _keys(k: Tensor, prefix_k: Tensor | None) -> Tensor:
     return k if prefix_k is None else torch.cat([prefix_k, k])
 
 
+def _flash_modules():
+    return [m for name, m in list(sys.modules.items()) if name.startswith("flash_attn.cute") and m is not None]
+
+
+_REPLAY_FWD = LaunchReplay(_flash_modules)
+_REPLAY_BWD = LaunchReplay(_flash_modules)
+
+
+def fa4_replay_stats() -> tuple[ReplayStats, ReplayStats]:
+    """(forward, backward) counts of FA4 calls replayed, recorded and run plainly in this process."""
+    return _REPLAY_FWD.stats, _REPLAY_BWD.stats
+
+
 @torch.library.custom_op("treepack::tree_attention_fa4_fwd", mutates_args=())
 def tree_attention_fa4_fwd(
     q: Tensor, k: Tensor, v: Tensor,
     prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],  # noqa: UP045 - torch.library reads the schema
     key_end: Tensor, fcnt: Tensor, fidx: Tensor, ffull_cnt: Tensor, ffull_idx: Tensor,
-    bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float,
+    bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float, bwd_block_q: int,
 ) -> tuple[Tensor, Tensor]:
     """Forward: (out [T, Hq, D], lse [Hq, T] float32)."""
-    fa_fwd, _, _, mask_mod = _fa4()
-    fwd, _ = _sparse((fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt, bfull_idx))
-    out, lse, *_ = fa_fwd(q[None], _keys(k, prefix_k)[None], _keys(v, prefix_v)[None], softmax_scale=scale,
-                          causal=False, pack_gqa=False, mask_mod=mask_mod, block_sparse_tensors=fwd,
-                          return_lse=True, aux_tensors=[key_end])
-    return out[0], lse[0]
+    q4, k4, v4 = q[None], _keys(k, prefix_k)[None], _keys(v, prefix_v)[None]
+    out4, lse3 = torch.empty_like(q4), q.new_empty(1, q.shape[1], q.shape[0], dtype=torch.float32)
+
+    def run():
+        fa_fwd, _, _, mask_mod = _fa4()
+        fwd, _ = _sparse((fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt, bfull_idx), bwd_block_q)
+        fa_fwd(q4, k4, v4, softmax_scale=scale, causal=False, pack_gqa=False, mask_mod=mask_mod,
+               block_sparse_tensors=fwd, return_lse=True, aux_tensors=[key_end], out=out4, lse=lse3)
+
+    _REPLAY_FWD(("fwd", scale), (q4, k4, v4, out4, lse3, key_end, fcnt, fidx, ffull_cnt, ffull_idx), run,
+                outputs=(out4, lse3))
+    return out4[0], lse3[0]
 
 
 @tree_attention_fa4_fwd.register_fake
-def _(q, k, v, prefix_k, prefix_v, key_end, fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt, bfull_idx, scale):
+def _(q, k, v, prefix_k, prefix_v, key_end, fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt, bfull_idx, scale,
+      bwd_block_q):
     T, H, _ = q.shape
     return torch.empty_like(q), q.new_empty(H, T, dtype=torch.float32)
 
@@ -189,23 +232,32 @@ def tree_attention_fa4_bwd(
     prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],  # noqa: UP045 - torch.library reads the schema
     out: Tensor, lse: Tensor,
     key_end: Tensor, fcnt: Tensor, fidx: Tensor, ffull_cnt: Tensor, ffull_idx: Tensor,
-    bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float,
+    bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float, bwd_block_q: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward: (dq, dk, dv, dprefix_k, dprefix_v); the prefix grads are [0, Hkv, D] without a prefix."""
-    _, fa_bwd, _, mask_mod = _fa4()
-    _, bwd = _sparse((fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt, bfull_idx))
-    dq, dk, dv = fa_bwd(q[None], _keys(k, prefix_k)[None], _keys(v, prefix_v)[None], out[None],
-                        grad_out.contiguous()[None], lse[None], softmax_scale=scale, causal=False,
-                        mask_mod=mask_mod, aux_tensors=[key_end], block_sparse_tensors=bwd)
+    q4, k4, v4 = q[None], _keys(k, prefix_k)[None], _keys(v, prefix_v)[None]
+    out4, do4, lse3 = out[None], grad_out.contiguous()[None], lse[None]
+    dq4, dk4, dv4 = torch.empty_like(q4), torch.empty_like(k4), torch.empty_like(v4)
+
+    def run():
+        _, fa_bwd, _, mask_mod = _fa4()
+        _, bwd = _sparse((fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt, bfull_idx), bwd_block_q)
+        fa_bwd(q4, k4, v4, out4, do4, lse3, softmax_scale=scale, causal=False, mask_mod=mask_mod,
+               aux_tensors=[key_end], block_sparse_tensors=bwd, dq=dq4, dk=dk4, dv=dv4)
+
+    _REPLAY_BWD(("bwd", scale, bwd_block_q),
+                (q4, k4, v4, out4, do4, lse3, dq4, dk4, dv4, key_end, bcnt, bidx, bfull_cnt, bfull_idx), run,
+                outputs=(dq4, dk4, dv4))
+    dq, dk, dv = dq4[0], dk4[0], dv4[0]
     if prefix_k is None:
-        return dq[0], dk[0], dv[0], k.new_empty(0, *k.shape[1:]), v.new_empty(0, *v.shape[1:])
+        return dq, dk, dv, k.new_empty(0, *k.shape[1:]), v.new_empty(0, *v.shape[1:])
     P = prefix_k.shape[0]  # outputs of a custom op must not alias each other: the prefix part is copied
-    return dq[0], dk[0, P:], dv[0, P:], dk[0, :P].clone(), dv[0, :P].clone()
+    return dq, dk[P:], dv[P:], dk[:P].clone(), dv[:P].clone()
 
 
 @tree_attention_fa4_bwd.register_fake
 def _(grad_out, q, k, v, prefix_k, prefix_v, out, lse, key_end, fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx,
-      bfull_cnt, bfull_idx, scale):
+      bfull_cnt, bfull_idx, scale, bwd_block_q):
     K, D = k.shape[1], k.shape[2]
     dpk = torch.empty_like(prefix_k) if prefix_k is not None else k.new_empty(0, K, D)
     dpv = torch.empty_like(prefix_v) if prefix_v is not None else v.new_empty(0, K, D)
@@ -213,20 +265,21 @@ def _(grad_out, q, k, v, prefix_k, prefix_v, out, lse, key_end, fcnt, fidx, fful
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, prefix_k, prefix_v, *tables, scale = inputs
+    q, k, v, prefix_k, prefix_v, *tables, scale, bwd_block_q = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse, *tables)
     ctx.scale = scale
+    ctx.bwd_block_q = bwd_block_q
     ctx.has_prefix = prefix_k is not None
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, prefix_k, prefix_v, out, lse, *tables = ctx.saved_tensors
     dq, dk, dv, dpk, dpv = tree_attention_fa4_bwd(grad_out, q, k, v, prefix_k, prefix_v, out, lse, *tables,
-                                                   ctx.scale)
+                                                   ctx.scale, ctx.bwd_block_q)
     if not ctx.has_prefix:
         dpk = dpv = None
-    return dq, dk, dv, dpk, dpv, *([None] * 9), None
+    return dq, dk, dv, dpk, dpv, *([None] * 9), None, None
 
 
 torch.library.register_autograd("treepack::tree_attention_fa4_fwd", _backward, setup_context=_setup_context)
@@ -245,9 +298,10 @@ def tree_attention_fa4(
     if prefix_k is not None and prefix_k.shape[0] == 0:
         prefix_k = prefix_v = None
     P = 0 if prefix_k is None else prefix_k.shape[0]
-    tables = fa4_tables(subtree_end, P)
+    bwd_block_q = FA4_BWD_BLOCK_Q
+    tables = fa4_tables(subtree_end, P, bwd_block_q=bwd_block_q)
     if prefix_k is not None:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     out, _ = tree_attention_fa4_fwd(q.contiguous(), k.contiguous(), v.contiguous(), prefix_k, prefix_v, *tables,
-                                    float(scale))
+                                    float(scale), bwd_block_q)
     return out

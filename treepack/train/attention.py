@@ -41,7 +41,7 @@ class KernelSchedule:
 
     op: str  # "triton" (treepack::tree_attention_fwd) | "fa4" (treepack::tree_attention_fa4_fwd)
     tensors: tuple[Tensor, ...]  # triton: blocks.TreeMaskInfo's schedule; fa4: fa4.fa4_tables (key_end, block lists)
-    config: list[int]  # triton: KernelConfig.as_list(); fa4: []
+    config: list[int]  # triton: KernelConfig.as_list(); fa4: [the backward's query block rows]
 
 
 @dataclass
@@ -115,11 +115,13 @@ class AttentionContext:
             pairs = self.mask.cache.get("pairs") if isinstance(self.mask, TreeMaskInfo) else None
             op = pick_backend(T, heads, head_dim, dtype, device, prefix_len=prefix_len, pairs=pairs)
         if op == "fa4":
-            from treepack.kernels.tree_attention.fa4 import FA4_BLOCK, FA4_DTYPES, FA4_HEAD_DIMS, fa4_tables
+            from treepack.kernels.tree_attention import fa4
 
-            if dtype not in FA4_DTYPES or head_dim not in FA4_HEAD_DIMS or T <= FA4_BLOCK:
+            if dtype not in fa4.FA4_DTYPES or head_dim not in fa4.FA4_HEAD_DIMS or T <= fa4.FA4_BLOCK:
                 return None  # the eager path reports what is unsupported; one block: Dynamo would specialise it
-            return KernelSchedule(op="fa4", tensors=fa4_tables(self.mask, prefix_len), config=[])
+            block_q = fa4.FA4_BWD_BLOCK_Q  # read at call time: benchmarks switch it
+            return KernelSchedule(op="fa4", tensors=fa4.fa4_tables(self.mask, prefix_len, bwd_block_q=block_q),
+                                  config=[block_q])
         if op != "triton":
             return None
         from treepack.kernels.tree_attention.api import TRITON_DTYPES, TRITON_HEAD_DIMS, _triton_importable
