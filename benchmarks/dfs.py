@@ -203,6 +203,10 @@ def run_gpu(args) -> None:
     from treepack.train.model import Decoder
     from treepack.train.modes import make_mode
 
+    os.environ["TREEPACK_FA4_REPLAY"] = args.fa4_replay
+    from treepack.kernels.tree_attention import fa4
+
+    fa4.FA4_BWD_BLOCK_Q = args.fa4_bwd_block_q
     dev = torch.device(args.device)
     margs = QWEN3_0_6B if args.model == "qwen3-0.6b" else TINY
     t0 = time.perf_counter()
@@ -222,7 +226,8 @@ def run_gpu(args) -> None:
         (f"Model: {args.model} shape ({margs.num_layers} layers, hidden {margs.hidden_size}, {margs.num_heads} q / "
          f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), random init, "
          f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
-         f"token-mean; attention {args.attention}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
+         f"token-mean; attention {args.attention} (FA4 launch replay {args.fa4_replay}, backward query blocks of "
+         f"{args.fa4_bwd_block_q} rows); activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
          f"dense micro-batches <= "
          f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
         f"Command: `{command_line(__file__, sys.argv[1:])}` (model init {init_s:.0f} s).",
@@ -291,6 +296,9 @@ def run_gpu(args) -> None:
                          f"| {_vs_tree_same_memory(res, trees)} "
                          f"| {ratio(leaf_s, res['seconds'])} | {res['peak'] / 2**30:.2f} "
                          f"| | | |\n")
+        fwd_stats, bwd_stats = fa4.fa4_replay_stats()
+        if fwd_stats.replayed + fwd_stats.recorded + fwd_stats.plain:
+            out_text += f"\nFA4 calls so far: forward {fwd_stats.line()}; backward {bwd_stats.line()}.\n"
         profiled = [(label, res) for label, res in results.items() if "gpu_busy" in res]
         if profiled:
             out_text += "\nGPU busy (union of kernel and copy intervals, torch.profiler) over one profiled step:\n"
@@ -350,6 +358,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--logits-chunk", type=int, default=4096, help="rows of full-vocabulary logits at a time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fa4-replay", default="on", choices=("on", "off", "check"),
+                    help="FA4 launch replay (TREEPACK_FA4_REPLAY): on, off, or checked against FA4 on every call")
+    ap.add_argument("--fa4-bwd-block-q", type=int, default=128, choices=(128, 80),
+                    help="query rows per block of FA4's backward block lists")
     ap.add_argument("--plan-only", action="store_true", help="print the dfs accounting (CPU, no model)")
     ap.add_argument("--profile", action="store_true", help="one more step per run under torch.profiler: GPU busy "
                                                            "time against wall time")
