@@ -32,7 +32,7 @@ def test_train_step_benchmark_cpu_smoke(tmp_path, monkeypatch):
     try:
         rc = bench.main(["--device", "cpu", "--configs", "tiny:tau-bench:2K", "--tau-records", "2",
                          "--runners", "dense,dense-leaf,tree/reference", "--repeats", "1",
-                         "--out", str(out), "--json-out", str(raw)])
+                         "--child-order", "largest-first", "--out", str(out), "--json-out", str(raw)])
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
@@ -46,7 +46,7 @@ def test_train_step_benchmark_cpu_smoke(tmp_path, monkeypatch):
     assert dense["pairs"] == 1308 * 1309 // 2 + chain and tree["pairs"] == leaf["pairs"] == chain
     assert tree["flops"] < dense["flops"]
     text = out.read_text()
-    needles = ("GPU path check: tiny:", "## tiny on tau-bench: 2 sequences", "| tree/reference | 2K | 1 |",
+    needles = ("- tree packs: tokens in `largest-first` DFS order", "GPU path check: tiny:", "## tiny on tau-bench: 2 sequences", "| tree/reference | 2K | 1 |",
                "## Targets (DESIGN §9)", "- tiny tau-bench 2K tree/reference: >= 90% of the ideal speedup")
     for needle in needles:
         assert needle in text
