@@ -182,9 +182,15 @@ def test_bad_arguments():
         preorder_by_key(np.array([-1, 0, 0, 0]), np.array([4, 4, 3, 4]), np.zeros(4))
 
 
-def test_tree_mode_loss_and_gradients_equal_on_the_relaid_pack():
+@pytest.mark.parametrize("mode,options", [
+    ("tree", {"attention": "reference"}),
+    ("dfs", {"attention": "reference", "dfs_block_size": 6, "dfs_order": "layout"}),
+    ("dfs", {"attention": "reference", "dfs_block_size": 6, "dfs_order": "backward"}),
+], ids=["tree", "dfs-layout", "dfs-backward"])
+def test_loss_and_gradients_equal_on_the_relaid_pack(mode, options):
     """float64: loss, every row's log-prob (matched by sequence and position) and every parameter gradient
-    of tree mode on the largest-first pack equal those on the lexicographic pack within 1e-10."""
+    on the largest-first pack equal those on the lexicographic pack within 1e-10, in tree mode and in dfs
+    mode walking the pack (its tree calls and, with dfs_order = layout, its leaf order follow the layout)."""
     torch = pytest.importorskip("torch")
     from test_equivalence import OBJECTIVES, make_pack, random_sequences, rel_diffs, run
 
@@ -204,8 +210,8 @@ def test_tree_mode_loss_and_gradients_equal_on_the_relaid_pack():
         j_R = rows.flat_R - pack.seq_offsets[rows.seq_R]
         key[id(pack)] = [(pack.seq_ids[s], int(j)) for s, j in zip(rows.seq_R.tolist(), j_R.tolist())]
     for objective in OBJECTIVES:
-        loss_l, logp_l, g_l = run(model, [lex], "tree", objective, attention="reference")
-        loss_n, logp_n, g_n = run(model, [new], "tree", objective, attention="reference")
+        loss_l, logp_l, g_l = run(model, [lex], mode, objective, **options)
+        loss_n, logp_n, g_n = run(model, [new], mode, objective, **options)
         assert abs(loss_n - loss_l) <= 1e-10 * abs(loss_l)
         by_row = dict(zip(key[id(lex)], logp_l.tolist()))
         assert sorted(by_row) == sorted(key[id(new)])
