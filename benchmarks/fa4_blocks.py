@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, cpu_line, one_forest, today, versions, write_report
 
 from treepack.io.ingest import read_rollouts
-from treepack.pack.layout import preorder_by_key, relayout
+from treepack.pack.layout import relayout, reorder
 from treepack.sizes import parse_size
 from treepack.train.data import pack_rollouts
 
@@ -41,17 +41,14 @@ CHILD_ORDER = {"lex": "lex", "size-desc": "largest-first"}  # the trainer's data
 
 def layout_subtree_end(pack, order: str) -> np.ndarray:
     """subtree_end (int64, real tokens) of the pack laid out in ``order``: ``lex`` as built, ``size-desc``
-    the trainer's ``largest-first`` (`treepack.pack.layout.relayout`), ``size-asc`` the same walk with
-    the key reversed (`preorder_by_key`; no trainer option: it is the order not to use)."""
+    the trainer's ``largest-first`` (`treepack.pack.layout.relayout`), ``size-asc`` `reorder` by subtree
+    size ascending (no trainer option: the order not to use)."""
     T = int(pack.n_real)
     if order == "size-asc":
-        end_T = np.asarray(pack.subtree_end[:T], dtype=np.int64)
-        size_T = end_T - np.arange(T)
-        new_T = preorder_by_key(pack.parent[:T], end_T, size_T)
-        out = np.empty(T, dtype=np.int64)
-        out[new_T] = new_T + size_T
-        return out
-    return np.asarray(relayout(pack, CHILD_ORDER[order]).subtree_end[:T], dtype=np.int64)
+        pack = reorder(pack, np.asarray(pack.subtree_end[:T], dtype=np.int64) - np.arange(T))
+    else:
+        pack = relayout(pack, CHILD_ORDER[order])
+    return np.asarray(pack.subtree_end[:T], dtype=np.int64)
 
 
 def block_counts(subtree_end_T: np.ndarray) -> tuple[int, int]:

@@ -200,22 +200,32 @@ def relayout(pack: Pack, child_order: str) -> Pack:
     25% fewer partial blocks largest-first (2,941 -> 2,212) and 4.7% fewer blocks in all, and it never did
     worse on tau-bench, tau2-think, agentic-think or grpo-math (0.1-1.0% fewer blocks;
     benchmarks/results/2026-11-25-fa4-blocks.md, counted on the CPU; the GPU time is not measured yet).
-
-    Every per-token array is permuted (``parent`` and ``seq_token_index`` / ``seq_leaf`` renumbered,
-    ``subtree_end`` recomputed); padding stays at the end as it was; the sequences are re-sorted into the
-    new DFS leaf order (a prefix of another first, duplicates in their current order) with every
-    per-sequence field; ``meta`` is kept. Vectorised (one sort, prefix sums, gathers): on one CPU core
-    2.1 ms for a 31,866-token ToolBench pack (140 sequences), 4.2 ms for one of 59,162 tokens.
+    Vectorised (`reorder`): on one CPU core 2.0-2.1 ms for a 31,866-token ToolBench pack (140 sequences),
+    3.8-4.2 ms for one of 59,162 tokens (two runs, median of 20-30 calls each).
     """
     if child_order not in CHILD_ORDERS:
         raise TreepackError(f"child order must be one of {', '.join(CHILD_ORDERS)}, got {child_order!r}")
     if child_order == "lex":
         return pack
+    n = int(pack.n_real)
+    return reorder(pack, np.arange(n, dtype=np.int64) - np.asarray(pack.subtree_end[:n], dtype=np.int64))
+
+
+def reorder(pack: Pack, key_T: np.ndarray) -> Pack:
+    """The pack in the DFS order that visits each node's children (and the roots) by ascending ``key_T``
+    (one key per real token; ties in the current order): `preorder_by_key` applied to every field.
+
+    Every per-token array is permuted (``parent`` and ``seq_token_index`` / ``seq_leaf`` renumbered,
+    ``subtree_end`` recomputed); padding stays at the end as it was; the sequences are re-sorted into the
+    new DFS leaf order (a prefix of another first, duplicates in their current order) with every
+    per-sequence field; ``meta`` is kept. The pack itself when nothing moves."""
     n, T = int(pack.n_real), pack.n_tokens
     end_T = np.asarray(pack.subtree_end, dtype=np.int64)
     size_T = end_T - np.arange(T, dtype=np.int64)
     new_T = np.arange(T, dtype=np.int64)  # padding [n, T) keeps its place
-    new_T[:n] = preorder_by_key(pack.parent[:n], end_T[:n], -size_T[:n])
+    new_T[:n] = preorder_by_key(pack.parent[:n], end_T[:n], key_T)
+    if np.array_equal(new_T, np.arange(T)):
+        return pack
     old_T = np.empty(T, dtype=np.int64)
     old_T[new_T] = np.arange(T, dtype=np.int64)
     parent_T = np.asarray(pack.parent, dtype=np.int64)[old_T]
