@@ -9,7 +9,9 @@ satisfies the mask contract ``k <= q < subtree_end[k]`` and gives the same atten
 to choose; this script measures what choosing it could save:
 
 - ``lex``: the pack as built (children in lexicographic order of their first token, `treepack.pack.layout`);
-- ``size-desc`` / ``size-asc``: each node's children by subtree size, largest / smallest first.
+- ``size-desc`` / ``size-asc``: each node's children by subtree size, largest / smallest first (ties in
+  lexicographic order); ``size-desc`` is `treepack.pack.layout.relayout(pack, "largest-first")`, what
+  ``treepack train`` runs with ``data.child_order = "largest-first"``.
 
 Usage:
     python benchmarks/fa4_blocks.py FILE [FILE ...] [--records N] [--capacity 32K] [--out report.md]
@@ -29,32 +31,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, cpu_line, one_forest, today, versions, write_report
 
 from treepack.io.ingest import read_rollouts
+from treepack.pack.layout import relayout, reorder
 from treepack.sizes import parse_size
 from treepack.train.data import pack_rollouts
 
 ORDERS = ("lex", "size-desc", "size-asc")
+CHILD_ORDER = {"lex": "lex", "size-desc": "largest-first"}  # the trainer's data.child_order of each
 
 
-def dfs_subtree_end(parent_T: np.ndarray, key_T: np.ndarray) -> np.ndarray:
-    """subtree_end of the tree ``parent_T`` laid out in the DFS order that visits each node's children by
-    ascending ``key_T``, indexed by the new positions."""
-    T = parent_T.shape[0]
-    root = T  # a virtual root above the pack's roots
-    kids: list[list[int]] = [[] for _ in range(T + 1)]
-    for k in range(T):
-        kids[int(parent_T[k]) if parent_T[k] >= 0 else root].append(k)
-    order, stack = [], [root]
-    while stack:
-        v = stack.pop()
-        if v != root:
-            order.append(v)
-        stack.extend(sorted(kids[v], key=lambda c: key_T[c], reverse=True))
-    order_T = np.asarray(order, dtype=np.int64)
-    size_T = np.ones(T, dtype=np.int64)
-    for k in order_T[::-1]:
-        if parent_T[k] >= 0:
-            size_T[parent_T[k]] += size_T[k]
-    return np.arange(T, dtype=np.int64) + size_T[order_T]
+def layout_subtree_end(pack, order: str) -> np.ndarray:
+    """subtree_end (int64, real tokens) of the pack laid out in ``order``: ``lex`` as built, ``size-desc``
+    the trainer's ``largest-first`` (`treepack.pack.layout.relayout`), ``size-asc`` `reorder` by subtree
+    size ascending (no trainer option: the order not to use)."""
+    T = int(pack.n_real)
+    if order == "size-asc":
+        pack = reorder(pack, np.asarray(pack.subtree_end[:T], dtype=np.int64) - np.arange(T))
+    else:
+        pack = relayout(pack, CHILD_ORDER[order])
+    return np.asarray(pack.subtree_end[:T], dtype=np.int64)
 
 
 def block_counts(subtree_end_T: np.ndarray) -> tuple[int, int]:
@@ -74,14 +68,12 @@ def measure(path: str, records: int | None, capacity: int) -> dict:
     out = {"packs": 0, "tokens": 0, "pairs": 0, **{o: [0, 0] for o in ORDERS}}
     for pack in pack_rollouts(r, capacity):
         T = int(pack.n_real)
-        parent_T = np.asarray(pack.parent[:T], dtype=np.int64)
-        end_T = np.asarray(pack.subtree_end[:T], dtype=np.int64)
-        size_T = end_T - np.arange(T)
+        size_T = np.asarray(pack.subtree_end[:T], dtype=np.int64) - np.arange(T)
         out["packs"] += 1
         out["tokens"] += T
         out["pairs"] += int(size_T.sum())
         for name in ORDERS:
-            se = end_T if name == "lex" else dfs_subtree_end(parent_T, -size_T if name == "size-desc" else size_T)
+            se = layout_subtree_end(pack, name)
             assert int((se - np.arange(T)).sum()) == int(size_T.sum())  # same tree, same visible pairs
             partial, full = block_counts(se)
             out[name][0] += partial

@@ -15,7 +15,10 @@ tasks as a trainer batching them would share it):
   strongest simple baseline; on data where every record is a leaf it is ``dense`` and is not re-run);
 - ``tree/triton`` and ``tree/flex``: `TreeMode` over the packs of `pack_rollouts` at each capacity, the
   Triton tree-attention kernel or FlexAttention with the same mask (both from one `TreeMaskInfo` built
-  once per pack and reused by every layer; FlexAttention caches its BlockMask on it).
+  once per pack and reused by every layer; FlexAttention caches its BlockMask on it). ``--child-order
+  largest-first`` lays those packs (and ``auto``'s) out children largest subtree first
+  (`treepack.pack.layout.relayout`, ``data.child_order``): the same FLOPs, fewer partial FA4 blocks on
+  ToolBench (benchmarks/results/2026-11-25-fa4-blocks.md).
 Before the runs a *path check* forwards one pack through ``make_mode("tree")`` with the default
 ``attention="auto"`` and counts the calls into the kernels: on CUDA it must be one `prepare` per pack and
 one Triton call per layer, no FlexAttention and no reference attention.
@@ -118,7 +121,7 @@ import torch
 from treepack.errors import TreepackError
 from treepack.io.ingest import read_rollouts
 from treepack.io.rollouts import Rollouts
-from treepack.pack.layout import Pack
+from treepack.pack.layout import CHILD_ORDERS, Pack, relayout
 from treepack.sizes import parse_size
 from treepack.stats import MODEL_SHAPES, ModelShape
 from treepack.train import losses
@@ -543,7 +546,7 @@ class Bench:
             elif job.runner == "dense-leaf":
                 self.works[key] = Work.flat(dense_batches(r, info.leaf_S, self.dense_tokens))
             else:
-                self.works[key] = Work.tree(list(pack_rollouts(r, job.capacity)))
+                self.works[key] = Work.tree([relayout(p, self.args.child_order) for p in pack_rollouts(r, job.capacity)])
         return self.works[key]
 
     def trainer_for(self, job: Job) -> Trainer:
@@ -692,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (tiny model)")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the elementwise regions (train.compile; auto = on CUDA)")
+    ap.add_argument("--child-order", default="lex", choices=CHILD_ORDERS,
+                    help="DFS order of the tree runners' pack tokens (treepack train's data.child_order): lex "
+                         "(as packed) or largest-first (fewer partial FA4 blocks on ToolBench)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="markdown report (rewritten after each job)")
     ap.add_argument("--json-out", type=Path, default=None, help="raw results (JSON), rewritten per job")
@@ -724,7 +730,8 @@ def main(argv: list[str] | None = None) -> int:
                f"{'bf16 autocast over float32 weights and AdamW state' if autocast_dtype else 'float32'}, "
                f"gradient clipping 1.0, AdamW; dense micro-batches <= {parse_size(args.dense_tokens):,} flat "
                f"tokens; {args.repeats} timed steps after one warm-up (fewer when a step takes over "
-               f"{args.max_step_seconds:g} s), median")]
+               f"{args.max_step_seconds:g} s), median"),
+              f"- tree packs: tokens in `{args.child_order}` DFS order (`--child-order`, `data.child_order`)"]
     bench = Bench(args, device, autocast_dtype, log)
 
     def flush() -> None:

@@ -24,7 +24,7 @@ from treepack.pack.balance import (
     sub_pack,
 )
 from treepack.pack.cost import FlopModel, Work, pack_run_costs, pack_work, rollout_run_costs, run_costs
-from treepack.pack.layout import build_pack
+from treepack.pack.layout import build_pack, relayout
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOKENS, PREDICTED, PAIRS = FlopModel(1, 0, 0), FlopModel(0, 1, 0), FlopModel(0, 0, 1)
@@ -94,6 +94,14 @@ def test_sub_pack_keeps_every_sequence_field(case, data):
                                       .tolist(), p.seq_ids[s]) for s in range(lo, hi)}
 
     assert by_record(piece, 0, piece.n_sequences) == by_record(pack, a, b)
+    # In any layout of the pack, the piece keeps its order: tokens and sequences as they come in the pack.
+    for whole in (pack, relayout(pack, "largest-first")):
+        piece = sub_pack(whole, a, b)
+        assert piece.seq_index.tolist() == whole.seq_index[a:b].tolist()
+        in_whole = np.full(piece.n_real, -1)
+        for s in range(piece.n_sequences):
+            in_whole[piece.path(s)] = whole.path(a + s)
+        assert (np.diff(in_whole) > 0).all()
 
 
 def test_rollout_run_costs_match_the_pack_of_the_same_sequences():

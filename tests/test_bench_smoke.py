@@ -32,7 +32,7 @@ def test_train_step_benchmark_cpu_smoke(tmp_path, monkeypatch):
     try:
         rc = bench.main(["--device", "cpu", "--configs", "tiny:tau-bench:2K", "--tau-records", "2",
                          "--runners", "dense,dense-leaf,tree/reference", "--repeats", "1",
-                         "--out", str(out), "--json-out", str(raw)])
+                         "--child-order", "largest-first", "--out", str(out), "--json-out", str(raw)])
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
@@ -46,7 +46,7 @@ def test_train_step_benchmark_cpu_smoke(tmp_path, monkeypatch):
     assert dense["pairs"] == 1308 * 1309 // 2 + chain and tree["pairs"] == leaf["pairs"] == chain
     assert tree["flops"] < dense["flops"]
     text = out.read_text()
-    needles = ("GPU path check: tiny:", "## tiny on tau-bench: 2 sequences", "| tree/reference | 2K | 1 |",
+    needles = ("- tree packs: tokens in `largest-first` DFS order", "GPU path check: tiny:", "## tiny on tau-bench: 2 sequences", "| tree/reference | 2K | 1 |",
                "## Targets (DESIGN §9)", "- tiny tau-bench 2K tree/reference: >= 90% of the ideal speedup")
     for needle in needles:
         assert needle in text
@@ -76,12 +76,13 @@ def test_hf_benchmark_cpu_smoke(tmp_path, monkeypatch):
 
 
 def test_fa4_blocks_orders_are_dfs_layouts_of_the_same_tree(monkeypatch):
-    """benchmarks/fa4_blocks.py: children by position reproduce the pack's own layout; any key gives a
-    valid layout (nested subtrees) of the same tree (the same subtree sizes)."""
+    """benchmarks/fa4_blocks.py: ``lex`` is the pack's own layout, ``size-desc`` the trainer's
+    ``largest-first`` relayout, and ``size-asc`` a valid layout (nested subtrees) of the same tree (the
+    same subtree sizes) whose children come smallest first."""
     import numpy as np
     from strategies import rollouts_from
 
-    from treepack.pack.layout import build_pack
+    from treepack.pack.layout import build_pack, relayout
 
     monkeypatch.syspath_prepend(str(BENCH.parent))
     spec = importlib.util.spec_from_file_location("fa4_blocks_bench", BENCH.parent / "fa4_blocks.py")
@@ -90,15 +91,19 @@ def test_fa4_blocks_orders_are_dfs_layouts_of_the_same_tree(monkeypatch):
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, 50, 40).tolist()
     seqs = [prompt[: int(rng.integers(5, 40))] + rng.integers(0, 50, int(rng.integers(1, 30))).tolist() for _ in range(12)]
-    pack = build_pack(rollouts_from(seqs))
+    pack = build_pack(rollouts_from(seqs), pad_to=16)
     T = pack.n_real
-    parent, end = np.asarray(pack.parent[:T], np.int64), np.asarray(pack.subtree_end[:T], np.int64)
+    end = np.asarray(pack.subtree_end[:T], np.int64)
     size = end - np.arange(T)
-    assert np.array_equal(module.dfs_subtree_end(parent, np.arange(T)), end)
-    for key in (-size, size, rng.permutation(T)):
-        se = module.dfs_subtree_end(parent, key)
-        assert sorted((se - np.arange(T)).tolist()) == sorted(size.tolist())
-        q = np.arange(T)
-        assert np.all(se > q) and np.all(se <= T)
-        for k in range(T):  # nested: every token inside k's subtree ends within it
-            assert np.all(se[k + 1 : se[k]] <= se[k])
+    assert np.array_equal(module.layout_subtree_end(pack, "lex"), end)
+    assert np.array_equal(module.layout_subtree_end(pack, "size-desc"), relayout(pack, "largest-first").subtree_end[:T])
+    se = module.layout_subtree_end(pack, "size-asc")
+    assert sorted((se - np.arange(T)).tolist()) == sorted(size.tolist())
+    assert np.all(se > np.arange(T)) and np.all(se <= T)
+    for k in range(T):  # nested: every token inside k's subtree ends within it; children smallest first
+        assert np.all(se[k + 1 : se[k]] <= se[k])
+        kids, c = [], k + 1
+        while c < se[k]:
+            kids.append(int(se[c] - c))
+            c = int(se[c])
+        assert kids == sorted(kids)

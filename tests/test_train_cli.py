@@ -8,6 +8,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from cli_helpers import run
 
@@ -45,7 +46,7 @@ head_dim = 8
 rollouts = ["rollouts.jsonl"]
 capacity = "40"
 packs_per_step = 2
-
+{data_extra}
 [train]
 mode = "{mode}"
 steps = {steps}
@@ -61,11 +62,11 @@ dir = "{out}"
 
 
 def write_config(tmp_path: Path, *, mode="tree", steps=3, lr=3e-3, dtype="float64", out="run", extra="",
-                 output_extra="") -> Path:
+                 output_extra="", data_extra="") -> Path:
     write_rollouts(tmp_path / "rollouts.jsonl")
     path = tmp_path / "config.toml"
     path.write_text(CONFIG.format(mode=mode, steps=steps, lr=lr, dtype=dtype, out=out, extra=extra,
-                                  output_extra=output_extra))
+                                  output_extra=output_extra, data_extra=data_extra))
     return path
 
 
@@ -91,6 +92,8 @@ def metrics(run_dir: Path) -> list[dict]:
      "config.toml: data: set exactly one of data.shards (a packed directory) or data.rollouts (files)"),
     ("[data]\nshards = 'p'\ncapacity = '12q'\n",
      "config.toml: invalid data.capacity '12q': expected an integer or a number with k/K/M/G, e.g. 60k"),
+    ("[data]\nshards = 'p'\nchild_order = 'size'\n",
+     "config.toml: data.child_order must be one of lex, largest-first, got 'size'"),
     ("[data\nshards = 'p'\n", None),
 ])
 def test_config_errors(tmp_path, monkeypatch, body, message):
@@ -156,6 +159,37 @@ def test_dense_and_tree_runs_follow_one_trajectory(tmp_path):
     mt, md = metrics(tmp_path / "tree"), metrics(tmp_path / "dense")
     assert all(a["tokens"] < b["tokens"] for a, b in zip(mt, md))  # tree forwards fewer tokens
     assert [m["flat_tokens"] for m in mt] == [m["flat_tokens"] for m in md]
+
+
+@pytest.mark.parametrize("mode", ["tree", "dfs"])
+def test_child_order_largest_first_trains_the_same(tmp_path, monkeypatch, mode):
+    """data.child_order = "largest-first" lays out every pack again (this data has a branch whose larger
+    child is not the first lexicographically) and the run's losses equal the lex run's; dfs walks it."""
+    from treepack.pack.layout import relayout
+    from treepack.train import data
+
+    assert parse_config("[data]\nshards = 'p'\nchild_order = 'largest-first'\n").data.child_order == "largest-first"
+    orders = []
+
+    def spy(pack, child_order):
+        orders.append(child_order)
+        return relayout(pack, child_order)
+
+    monkeypatch.setattr(data, "relayout", spy)
+    extra = "dfs_block_size = 4\n" if mode == "dfs" else ""
+    lex = write_config(tmp_path, mode=mode, out="lex", extra=extra)
+    assert run("train", lex).code == 0
+    n = len(orders)
+    big = write_config(tmp_path, mode=mode, out="big", extra=extra, data_extra='child_order = "largest-first"')
+    r = run("train", big)
+    assert r.code == 0, r.err
+    assert n > 0 and orders == ["lex"] * n + ["largest-first"] * n
+    packs = data.load_packs(tmp_path / "rollouts.jsonl", capacity=40)
+    moved = [relayout(p, "largest-first") for p in packs]
+    assert any(not np.array_equal(a.subtree_end, b.subtree_end) for a, b in zip(packs, moved))
+    a, b = metrics(tmp_path / "lex"), metrics(tmp_path / "big")
+    assert [m["loss"] for m in b] == pytest.approx([m["loss"] for m in a], rel=1e-9)
+    assert [m["tokens"] for m in b] == [m["tokens"] for m in a]
 
 
 def test_memorisation_lowers_the_loss(tmp_path):

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from treepack.errors import TreepackError
-from treepack.io.rollouts import Rollouts
+from treepack.io.rollouts import Rollouts, _ranges
 from treepack.pack.cost import TOKENS, FlopModel, RunCosts
-from treepack.pack.layout import Pack, build_pack
+from treepack.pack.layout import Pack, build_pack, reorder
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES
 
 BALANCE_COSTS = ("tokens", "flops")
@@ -408,7 +408,8 @@ def _split_of(pieces: list[Piece], ranks: list[int], k: int, n_units: int) -> Un
 
 def sub_pack(pack: Pack, start: int, stop: int) -> Pack:
     """Sequences ``[start, stop)`` of ``pack`` (its sequence order) as a pack of their own: the restriction
-    of the pack's trie to them (sequences share tokens exactly where they did in ``pack``)."""
+    of the pack's trie to them (sequences share tokens exactly where they did in ``pack``), its tokens and
+    sequences in the pack's own order (restricted to the piece: a `relayout` pack's order is kept)."""
     off = np.asarray(pack.seq_offsets, dtype=np.int64)
     lo, hi = int(off[start]), int(off[stop])
     tok_F = np.asarray(pack.seq_token_index[lo:hi], dtype=np.int64)
@@ -430,7 +431,11 @@ def sub_pack(pack: Pack, start: int, stop: int) -> Pack:
         groups=groups, group_names=group_names, steps=seq(pack.seq_steps), advantages=seq(pack.advantages),
         rewards=seq(pack.rewards),
     )
-    out = build_pack(r, scope=root_S)
+    out = build_pack(r, scope=root_S)  # lexicographic; then the pack's own order, restricted to the piece
+    src_F = _ranges(offsets[:-1][out.seq_index], np.diff(offsets)[out.seq_index])
+    key_T = np.empty(out.n_real, dtype=np.int64)
+    key_T[np.asarray(out.seq_token_index, dtype=np.int64)] = tok_F[src_F]
+    out = reorder(out, key_T)
     out.seq_index = np.asarray(pack.seq_index)[start:stop][out.seq_index]
     out.meta = {**pack.meta, "piece": [int(start), int(stop)]}
     return out

@@ -39,7 +39,7 @@ import numpy as np
 from treepack.errors import CapacityError, ConfigError, InputError, TreepackError
 from treepack.io.ingest import read_rollouts
 from treepack.io.rollouts import Rollouts, _ranges
-from treepack.pack.layout import Pack, build_pack
+from treepack.pack.layout import Pack, build_pack, relayout
 from treepack.tree import PrefixTree, scope_codes
 
 
@@ -259,9 +259,11 @@ def load_packs(
     capacity: int | None = None,
     max_packs: int | None = None,
     progress: Callable[[int], None] | None = None,
+    child_order: str = "lex",
 ) -> list[Pack]:
     """Packs from a packed shard directory (``manifest.json`` inside), or from rollout files packed at
-    ``capacity``. ``max_packs`` stops early (verification of a sample)."""
+    ``capacity``. ``max_packs`` stops early (verification of a sample). ``child_order``: the DFS order of
+    each pack's tokens (`treepack.pack.layout.relayout`; ``lex`` = as packed)."""
     if isinstance(sources, (str, Path)):
         sources = [sources]
     paths = [Path(s) for s in sources]
@@ -272,7 +274,7 @@ def load_packs(
             raise ConfigError(f"{paths[0]}: reading packed shards needs treepack.pack.shards") from None
         packs = []
         for pack in read_packs(paths[0]):
-            packs.append(pack)
+            packs.append(relayout(pack, child_order))
             if max_packs is not None and len(packs) >= max_packs:
                 break
         return packs
@@ -284,7 +286,7 @@ def load_packs(
     r = read_rollouts([str(p) for p in paths], progress=progress)
     if len(r) == 0:
         raise InputError(f"{', '.join(map(str, paths))}: no rollout records")
-    return list(pack_rollouts(r, capacity, max_packs=max_packs))
+    return [relayout(p, child_order) for p in pack_rollouts(r, capacity, max_packs=max_packs)]
 
 
 def compact_vocab(packs: list[Pack]) -> tuple[list[Pack], np.ndarray]:

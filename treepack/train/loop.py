@@ -257,7 +257,7 @@ def train(
     torch.manual_seed(cfg.train.seed)
     if packs is None:
         source = cfg.data.shards or cfg.data.rollouts
-        packs = load_packs(source, capacity=cfg.data.capacity_tokens)
+        packs = load_packs(source, capacity=cfg.data.capacity_tokens, child_order=cfg.data.child_order)
     if not packs:
         raise ConfigError("the data section yields no packs")
     if cfg.data.packs_per_step > len(packs):

@@ -116,7 +116,8 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
     _, param_dtype, autocast_dtype = resolve_precision(device.type, cfg.train.dtype)
     torch.manual_seed(cfg.train.seed)
     if packs is None:
-        packs = load_packs(cfg.data.shards or cfg.data.rollouts, capacity=cfg.data.capacity_tokens)
+        packs = load_packs(cfg.data.shards or cfg.data.rollouts, capacity=cfg.data.capacity_tokens,
+                           child_order=cfg.data.child_order)
     if not packs:
         raise ConfigError("the data section yields no packs")
     if cfg.data.packs_per_step > len(packs):
