@@ -86,24 +86,22 @@ def sdpa_per_sequence(bounds, backend, heads: int, kv_heads: int):
 
 def largest_first(se_T: np.ndarray) -> np.ndarray:
     """subtree_end of the same tree laid out with each node's children largest subtree first (ties: as laid
-    out); any DFS order meets the mask contract, this one leaves FA4 fewer partial blocks (fa4_blocks.py)."""
+    out), as `treepack.pack.layout.relayout` lays out packs; FA4 visits fewer partial blocks (fa4_blocks.py)."""
+    from treepack.pack.layout import preorder_by_key
+
     T = se_T.shape[0]
-    kids: list[list[int]] = [[] for _ in range(T + 1)]  # T: a virtual root over the pack's roots
+    parent_T = np.full(T, -1, dtype=np.int64)
     stack: list[int] = []
-    for q in range(T):
+    for q in range(T):  # the parent is the innermost open subtree
         while stack and se_T[stack[-1]] <= q:
             stack.pop()
-        kids[stack[-1] if stack else T].append(q)
+        parent_T[q] = stack[-1] if stack else -1
         stack.append(q)
-    new_se = np.empty(T, dtype=se_T.dtype)
-    walk, pos = [T], 0
-    while walk:
-        v = walk.pop()
-        if v != T:
-            new_se[pos] = pos + (se_T[v] - v)
-            pos += 1
-        walk.extend(sorted(kids[v], key=lambda c: (-(se_T[c] - c), c), reverse=True))
-    return new_se
+    size_T = se_T.astype(np.int64) - np.arange(T)
+    new_T = preorder_by_key(parent_T, se_T.astype(np.int64), -size_T)
+    out = np.empty_like(se_T)
+    out[new_T] = new_T + size_T
+    return out
 
 
 def run_pack(name: str, se_np: np.ndarray, heads: int, kv_heads: int, dim: int, runners: list[str], rep: dict):

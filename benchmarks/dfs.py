@@ -161,7 +161,30 @@ def gpu_busy(step) -> tuple[float, float]:
     return wall, busy_us / 1e6
 
 
-def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, profile: bool = False) -> dict:
+def host_profile(step, top: int = 25) -> str:
+    """cProfile of one ``step()``: the Python functions the host spends its time in (own time), as a
+    markdown table, for steps the GPU waits on."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    wall = step()[0]
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    lines = [f"cProfile of one step ({wall:.3f} s under the profiler), by own time:", "",
+             "| function | calls | own s | cumulative s |", "|---|---|---|---|"]
+    for (file, line, name), (_, calls, own, cum, _) in rows:
+        where = f"{Path(file).name}:{line}" if line else file
+        lines.append(f"| `{name}` ({where}) | {calls} | {own:.3f} | {cum:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, profile: bool = False,
+            gc_mode: str = "default", cprofile: bool = False) -> dict:
+    import gc
+
     import torch
 
     rows = [LossRows.from_pack(p) for p in packs]
@@ -185,15 +208,24 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
 
     try:
         step()  # warm-up: Triton compiles and autotunes per block shape
+        if gc_mode != "default":  # what the warm-up built (compiled code, caches) is never garbage
+            gc.collect()
+            gc.freeze()
+            if gc_mode == "off":
+                gc.disable()
         runs = [step() for _ in range(repeats)]
     except torch.cuda.OutOfMemoryError:
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         return {"oom": True}
+    finally:
+        gc.enable()
     out = {"seconds": statistics.median(t for t, _, _ in runs), "peak": max(m for _, m, _ in runs),
            "work": runs[-1][2], "times": [t for t, _, _ in runs]}
     if profile and cuda:
         out["profiled_wall"], out["gpu_busy"] = gpu_busy(step)
+    if cprofile:
+        out["host_profile"] = host_profile(step)
     return out
 
 
@@ -227,7 +259,7 @@ def run_gpu(args) -> None:
          f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), random init, "
          f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
          f"token-mean; attention {args.attention} (FA4 launch replay {args.fa4_replay}, backward query blocks of "
-         f"{args.fa4_bwd_block_q} rows); activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
+         f"{args.fa4_bwd_block_q} rows); Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
          f"dense micro-batches <= "
          f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
         f"Command: `{command_line(__file__, sys.argv[1:])}` (model init {init_s:.0f} s).",
@@ -274,7 +306,8 @@ def run_gpu(args) -> None:
                                  chunk_rows=args.logits_chunk, dfs_subtree_calls=not args.walk,
                                  micro_batch_tokens=args.dense_tokens if mode_name.startswith("dense") else None)
                 packs = groups[label if mode_name == "tree" else mode_name]
-                results[label] = measure(model, packs, mode, objective, args.repeats, args.profile)
+                results[label] = measure(model, packs, mode, objective, args.repeats, args.profile, args.gc,
+                                         args.cprofile and mode_name == "dfs")
                 results[label]["packs"] = len(packs)
                 print(label, {k: v for k, v in results[label].items() if k != "work"}, flush=True)
         leaf_s = results.get("dense-leaf", {}).get("seconds")
@@ -296,6 +329,9 @@ def run_gpu(args) -> None:
                          f"| {_vs_tree_same_memory(res, trees)} "
                          f"| {ratio(leaf_s, res['seconds'])} | {res['peak'] / 2**30:.2f} "
                          f"| | | |\n")
+        for label, res in results.items():
+            if "host_profile" in res:
+                out_text += f"\n{label}: {res['host_profile']}"
         fwd_stats, bwd_stats = fa4.fa4_replay_stats()
         if fwd_stats.replayed + fwd_stats.recorded + fwd_stats.plain:
             out_text += f"\nFA4 calls so far: forward {fwd_stats.line()}; backward {bwd_stats.line()}.\n"
@@ -362,6 +398,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="FA4 launch replay (TREEPACK_FA4_REPLAY): on, off, or checked against FA4 on every call")
     ap.add_argument("--fa4-bwd-block-q", type=int, default=128, choices=(128, 80),
                     help="query rows per block of FA4's backward block lists")
+    ap.add_argument("--gc", default="default", choices=("default", "freeze", "off"),
+                    help="Python's garbage collector during the timed steps: as is, everything from the warm-up "
+                         "frozen (gc.freeze), or frozen and disabled")
+    ap.add_argument("--cprofile", action="store_true", help="one more dfs step under cProfile: host time by function")
     ap.add_argument("--plan-only", action="store_true", help="print the dfs accounting (CPU, no model)")
     ap.add_argument("--profile", action="store_true", help="one more step per run under torch.profiler: GPU busy "
                                                            "time against wall time")

@@ -98,6 +98,16 @@ def _plain(fake, q, k, idx, scale=0.5):
     return out, lse
 
 
+def _primed(T: int, D: int, mode: str = "ok"):
+    """A stand-in module, its LaunchReplay and one input, called twice (plain, then recorded)."""
+    fake = make_fake(mode)
+    replay = LaunchReplay([fake])
+    q, k, idx = torch.randn(T, D), torch.randn(T, D), torch.arange(T, dtype=torch.int32)
+    _call(replay, fake, q, k, idx)
+    _call(replay, fake, q, k, idx)
+    return fake, replay, q, k, idx
+
+
 @settings(max_examples=20, deadline=None)
 @given(shapes=st.lists(st.tuples(st.integers(1, 9), st.sampled_from([2, 4])), min_size=1, max_size=4),
        repeats=st.integers(1, 4), seed=st.integers(0, 1000))
@@ -122,11 +132,7 @@ def test_replay_gives_what_the_entry_point_gives(shapes, repeats, seed):
 
 def test_replay_uses_the_recorded_kernels_without_the_entry_point(monkeypatch):
     monkeypatch.setenv("TREEPACK_FA4_REPLAY", "on")
-    fake = make_fake()
-    replay = LaunchReplay([fake])
-    q, k, idx = torch.randn(5, 4), torch.randn(5, 4), torch.arange(5, dtype=torch.int32)
-    _call(replay, fake, q, k, idx)
-    _call(replay, fake, q, k, idx)
+    fake, replay, q, k, idx = _primed(5, 4)
     entered = []
     real = fake.entry
     fake.entry = lambda *a: (entered.append(1), real(*a))
@@ -188,11 +194,7 @@ def test_off_never_replays_and_check_catches_hidden_state(monkeypatch):
 
 def test_strides_and_alignment_are_part_of_the_signature(monkeypatch):
     monkeypatch.setenv("TREEPACK_FA4_REPLAY", "on")
-    fake = make_fake()
-    replay = LaunchReplay([fake])
-    q, k, idx = torch.randn(4, 2), torch.randn(4, 2), torch.arange(4, dtype=torch.int32)
-    _call(replay, fake, q, k, idx)
-    _call(replay, fake, q, k, idx)
+    fake, replay, _, k, idx = _primed(4, 2)
     q_t = torch.randn(2, 4).t()  # same shape, other strides
     got = _call(replay, fake, q_t, k, idx)
     assert replay.stats.replayed == 0 and replay.stats.plain == 2

@@ -6,7 +6,9 @@ Hkv 8, fwd+bwd, FLOPs over visible pairs only) FA4 ran treepack's 32K packs (hel
 tau2, tau2-think, agentic-think) at 313-441 TFLOP/s against 258-336 for the Triton kernel and 230-348 for the
 fastest dense backend over the leaf sequences: 1.21-1.49x per pair
 (benchmarks/results/2026-11-25-attention-fa4-h100.md). Its per-call host cost is higher (1.3-1.6 ms per
-fwd+bwd of a small call), so `backends.pick_backend` sends small calls to the Triton kernel.
+fwd+bwd of a small call), so `backends.pick_backend` sends small calls to the Triton kernel, and calls of a
+shape seen before replay FA4's compiled launches without its Python (`fa4_replay`: 1.17-1.18x on a dfs step,
+benchmarks/results/2026-11-25-fa4-replay-h200.md).
 
 How: FA4 takes one [1, S, H, D] problem with
 * block sparsity at 128 x 128 (query block x key block): per query block the key blocks that are *full*
@@ -24,7 +26,8 @@ Exactness: same function as the reference (tests compare out and every gradient 
 references on random trees, with and without a prefix); FA4's backward accumulates dQ with float32 atomics,
 so dQ is not bitwise deterministic (like the fused Triton backward).
 
-The custom op keeps FA4 opaque to ``torch.compile`` (a compiled decoder layer calls it like the Triton op).
+The registered op (``torch.ops.treepack.tree_attention_fa4_fwd``) keeps FA4 opaque to ``torch.compile`` (a
+compiled decoder layer calls it like the Triton op).
 FA4 compiles its kernels on first use (10-15 s for forward + backward on an H100) and caches them per process;
 ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` keeps them on disk across runs.
 
@@ -37,7 +40,6 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -197,13 +199,22 @@ def fa4_replay_stats() -> tuple[ReplayStats, ReplayStats]:
     return _REPLAY_FWD.stats, _REPLAY_BWD.stats
 
 
-@torch.library.custom_op("treepack::tree_attention_fa4_fwd", mutates_args=())
-def tree_attention_fa4_fwd(
-    q: Tensor, k: Tensor, v: Tensor,
-    prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],  # noqa: UP045 - torch.library reads the schema
-    key_end: Tensor, fcnt: Tensor, fidx: Tensor, ffull_cnt: Tensor, ffull_idx: Tensor,
-    bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float, bwd_block_q: int,
-) -> tuple[Tensor, Tensor]:
+# The ops are defined on a plain `torch.library.Library` with Python kernels for CUDA, not with
+# ``torch.library.custom_op``, whose per-call wrapper cost ~0.45 ms of host time per call in a profiled dfs step
+# (2026-11-25-fa4-replay-h200.md); dfs makes ~800 such calls per step. Same schema, fake kernels and autograd.
+_TABLES = ("Tensor key_end, Tensor fcnt, Tensor fidx, Tensor ffull_cnt, Tensor ffull_idx, Tensor bcnt, Tensor bidx, "
+           "Tensor bfull_cnt, Tensor bfull_idx, float scale, int bwd_block_q")
+_LIB = torch.library.Library("treepack", "FRAGMENT")
+_LIB.define(f"tree_attention_fa4_fwd(Tensor q, Tensor k, Tensor v, Tensor? prefix_k, Tensor? prefix_v, {_TABLES}) "
+            "-> (Tensor, Tensor)")
+_LIB.define(f"tree_attention_fa4_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? prefix_k, "
+            f"Tensor? prefix_v, Tensor out, Tensor lse, {_TABLES}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | None, prefix_v: Tensor | None,
+         key_end: Tensor, fcnt: Tensor, fidx: Tensor, ffull_cnt: Tensor, ffull_idx: Tensor,
+         bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float, bwd_block_q: int,
+         ) -> tuple[Tensor, Tensor]:
     """Forward: (out [T, Hq, D], lse [Hq, T] float32)."""
     q4, k4, v4 = q[None], _keys(k, prefix_k)[None], _keys(v, prefix_v)[None]
     out4, lse3 = torch.empty_like(q4), q.new_empty(1, q.shape[1], q.shape[0], dtype=torch.float32)
@@ -219,21 +230,16 @@ def tree_attention_fa4_fwd(
     return out4[0], lse3[0]
 
 
-@tree_attention_fa4_fwd.register_fake
-def _(q, k, v, prefix_k, prefix_v, key_end, fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt, bfull_idx, scale,
-      bwd_block_q):
+def _fwd_fake(q, k, v, prefix_k, prefix_v, key_end, fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt,
+              bfull_idx, scale, bwd_block_q):
     T, H, _ = q.shape
     return torch.empty_like(q), q.new_empty(H, T, dtype=torch.float32)
 
 
-@torch.library.custom_op("treepack::tree_attention_fa4_bwd", mutates_args=())
-def tree_attention_fa4_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
-    prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],  # noqa: UP045 - torch.library reads the schema
-    out: Tensor, lse: Tensor,
-    key_end: Tensor, fcnt: Tensor, fidx: Tensor, ffull_cnt: Tensor, ffull_idx: Tensor,
-    bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float, bwd_block_q: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | None, prefix_v: Tensor | None,
+         out: Tensor, lse: Tensor, key_end: Tensor, fcnt: Tensor, fidx: Tensor, ffull_cnt: Tensor,
+         ffull_idx: Tensor, bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float,
+         bwd_block_q: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward: (dq, dk, dv, dprefix_k, dprefix_v); the prefix grads are [0, Hkv, D] without a prefix."""
     q4, k4, v4 = q[None], _keys(k, prefix_k)[None], _keys(v, prefix_v)[None]
     out4, do4, lse3 = out[None], grad_out.contiguous()[None], lse[None]
@@ -251,13 +257,12 @@ def tree_attention_fa4_bwd(
     dq, dk, dv = dq4[0], dk4[0], dv4[0]
     if prefix_k is None:
         return dq, dk, dv, k.new_empty(0, *k.shape[1:]), v.new_empty(0, *v.shape[1:])
-    P = prefix_k.shape[0]  # outputs of a custom op must not alias each other: the prefix part is copied
+    P = prefix_k.shape[0]  # outputs must not alias each other: the prefix part is copied
     return dq, dk[P:], dv[P:], dk[:P].clone(), dv[:P].clone()
 
 
-@tree_attention_fa4_bwd.register_fake
-def _(grad_out, q, k, v, prefix_k, prefix_v, out, lse, key_end, fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx,
-      bfull_cnt, bfull_idx, scale, bwd_block_q):
+def _bwd_fake(grad_out, q, k, v, prefix_k, prefix_v, out, lse, key_end, fcnt, fidx, ffull_cnt, ffull_idx, bcnt,
+              bidx, bfull_cnt, bfull_idx, scale, bwd_block_q):
     K, D = k.shape[1], k.shape[2]
     dpk = torch.empty_like(prefix_k) if prefix_k is not None else k.new_empty(0, K, D)
     dpv = torch.empty_like(prefix_v) if prefix_v is not None else v.new_empty(0, K, D)
@@ -275,14 +280,21 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, prefix_k, prefix_v, out, lse, *tables = ctx.saved_tensors
-    dq, dk, dv, dpk, dpv = tree_attention_fa4_bwd(grad_out, q, k, v, prefix_k, prefix_v, out, lse, *tables,
-                                                   ctx.scale, ctx.bwd_block_q)
+    dq, dk, dv, dpk, dpv = torch.ops.treepack.tree_attention_fa4_bwd(grad_out, q, k, v, prefix_k, prefix_v, out,
+                                                                      lse, *tables, ctx.scale, ctx.bwd_block_q)
     if not ctx.has_prefix:
         dpk = dpv = None
     return dq, dk, dv, dpk, dpv, *([None] * 9), None, None
 
 
-torch.library.register_autograd("treepack::tree_attention_fa4_fwd", _backward, setup_context=_setup_context)
+_LIB.impl("tree_attention_fa4_fwd", _fwd, "CUDA")
+_LIB.impl("tree_attention_fa4_bwd", _bwd, "CUDA")
+torch.library.register_fake("treepack::tree_attention_fa4_fwd", _fwd_fake, lib=_LIB)
+torch.library.register_fake("treepack::tree_attention_fa4_bwd", _bwd_fake, lib=_LIB)
+torch.library.register_autograd("treepack::tree_attention_fa4_fwd", _backward, setup_context=_setup_context,
+                                lib=_LIB)
+tree_attention_fa4_fwd = torch.ops.treepack.tree_attention_fa4_fwd
+tree_attention_fa4_bwd = torch.ops.treepack.tree_attention_fa4_bwd
 
 
 def tree_attention_fa4(

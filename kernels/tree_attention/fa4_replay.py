@@ -101,9 +101,40 @@ class _Alloc:
 
 
 @dataclass
+class _Launch:
+    """One compiled launch, its arguments split for a fast rebuild: the constant ones in place, and where the
+    caller's or the plan's buffers go (passed as is, as a strided view, or inside a tuple)."""
+
+    fn: Callable
+    static: list
+    whole: list[tuple[int, int]]  # (argument, buffer)
+    views: list[tuple[int, _View]]
+    nested: list[tuple[int, Any]]  # (argument, template with _View / _Empty inside)
+
+    @classmethod
+    def of(cls, fn: Callable, args: list) -> _Launch:
+        static, whole, views, nested = list(args), [], [], []
+        for i, a in enumerate(args):
+            if isinstance(a, _View) and a.whole:
+                static[i] = None
+                whole.append((i, a.source))
+            elif isinstance(a, _View):
+                static[i] = None
+                views.append((i, a))
+            elif _dynamic(a):
+                static[i] = None
+                nested.append((i, a))
+        return cls(fn, static, whole, views, nested)
+
+
+@dataclass
 class _Plan:
     allocs: list[_Alloc]
-    launches: list[tuple[Callable, Any]]  # (compiled function, argument template)
+    launches: list[_Launch]
+
+
+def _dynamic(x) -> bool:
+    return isinstance(x, (_View, _Empty)) or (isinstance(x, (list, tuple)) and any(_dynamic(y) for y in x))
 
 
 class _Refused(Exception):
@@ -162,6 +193,9 @@ class _Recorder(TorchDispatchMode):
                 self.refusal = str(e)
 
     def _template(self, x):
+        return _map(x, self._leaf)
+
+    def _leaf(self, x):
         if isinstance(x, Tensor):
             if x.numel() == 0:
                 return _Empty(tuple(x.shape), tuple(x.stride()), x.dtype)
@@ -184,17 +218,12 @@ class _Recorder(TorchDispatchMode):
             raise _Refused("a launch tensor FA4 keeps between calls")
         if isinstance(x, _PLAIN):
             return x
-        if isinstance(x, (tuple, list)):
-            items = [self._template(y) for y in x]
-            if isinstance(x, list):
-                return items
-            return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
         raise _Refused(f"a launch argument of type {type(x).__name__}")
 
     def plan(self) -> _Plan:
         """The launches with allocations renumbered after the caller's tensors, unused ones dropped."""
         used: dict[int, int] = {}
-        launches = [(fn, _renumber(args, len(self.tensors), used)) for fn, args in self.launches]
+        launches = [_Launch.of(fn, _renumber(args, len(self.tensors), used)) for fn, args in self.launches]
         allocs = [None] * len(used)
         for i, j in used.items():
             base, zeros = self.allocs[i]
@@ -202,35 +231,38 @@ class _Recorder(TorchDispatchMode):
         return _Plan(allocs, launches)
 
 
-# Module-level recursions, not closures: a recursive closure is a reference cycle, and one holding the call's
+# Module-level recursion, not closures: a recursive closure is a reference cycle, and one holding the call's
 # tensors keeps them (GiBs in dfs mode) until Python's cycle collector runs.
-def _renumber(x, n: int, used: dict[int, int]):
-    if isinstance(x, _View) and x.source < 0:
-        i = -1 - x.source
-        used.setdefault(i, len(used))
-        return _View(n + used[i], x.dtype, x.size, x.stride, x.offset, x.whole)
+def _map(x, leaf: Callable):
+    """``x`` with every leaf replaced by ``leaf(leaf_value)``, through lists, tuples and named tuples."""
     if isinstance(x, list):
-        return [_renumber(y, n, used) for y in x]
+        return [_map(y, leaf) for y in x]
     if isinstance(x, tuple):
-        items = [_renumber(y, n, used) for y in x]
+        items = [_map(y, leaf) for y in x]
         return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
-    return x
+    return leaf(x)
+
+
+def _renumber(x, n: int, used: dict[int, int]):
+    def leaf(v):
+        if isinstance(v, _View) and v.source < 0:
+            i = used.setdefault(-1 - v.source, len(used))
+            return _View(n + i, v.dtype, v.size, v.stride, v.offset, v.whole)
+        return v
+
+    return _map(x, leaf)
 
 
 def _build(x, buffers: list[Tensor], device: torch.device):
-    if isinstance(x, _View):
-        src = buffers[x.source]
-        if x.whole:
-            return src
-        return src.as_strided(x.size, x.stride, src.storage_offset() + x.offset)
-    if isinstance(x, _Empty):
-        return torch.empty_strided(x.size, x.stride, dtype=x.dtype, device=device)
-    if isinstance(x, list):
-        return [_build(y, buffers, device) for y in x]
-    if isinstance(x, tuple):
-        items = [_build(y, buffers, device) for y in x]
-        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
-    return x
+    def leaf(v):
+        if isinstance(v, _View):
+            src = buffers[v.source]
+            return src if v.whole else src.as_strided(v.size, v.stride, src.storage_offset() + v.offset)
+        if isinstance(v, _Empty):
+            return torch.empty_strided(v.size, v.stride, dtype=v.dtype, device=device)
+        return v
+
+    return _map(x, leaf)
 
 
 def _same(x: Tensor, src: Tensor) -> bool:
@@ -360,8 +392,16 @@ class LaunchReplay:
             buf = torch.empty_strided(a.size, a.stride, dtype=a.dtype, device=device)
             buffers.append(buf.zero_() if a.zeros else buf)
 
-        for fn, args in plan.launches:
-            fn(*_build(args, buffers, device))
+        for launch in plan.launches:
+            args = launch.static.copy()
+            for i, j in launch.whole:
+                args[i] = buffers[j]
+            for i, v in launch.views:
+                src = buffers[v.source]
+                args[i] = src.as_strided(v.size, v.stride, src.storage_offset() + v.offset)
+            for i, t in launch.nested:
+                args[i] = _build(t, buffers, device)
+            launch.fn(*args)
 
     def _check(self, tensors, run, outputs: Sequence[Tensor]) -> None:
         replayed = [o.clone() for o in outputs]
