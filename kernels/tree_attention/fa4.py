@@ -293,8 +293,8 @@ torch.library.register_fake("treepack::tree_attention_fa4_fwd", _fwd_fake, lib=_
 torch.library.register_fake("treepack::tree_attention_fa4_bwd", _bwd_fake, lib=_LIB)
 torch.library.register_autograd("treepack::tree_attention_fa4_fwd", _backward, setup_context=_setup_context,
                                 lib=_LIB)
-tree_attention_fa4_fwd = torch.ops.treepack.tree_attention_fa4_fwd
-tree_attention_fa4_bwd = torch.ops.treepack.tree_attention_fa4_bwd
+tree_attention_fa4_fwd = torch.ops.treepack.tree_attention_fa4_fwd.default
+tree_attention_fa4_bwd = torch.ops.treepack.tree_attention_fa4_bwd.default
 
 
 def tree_attention_fa4(

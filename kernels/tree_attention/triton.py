@@ -3,7 +3,7 @@
 The kernels and their design (block schedule, online softmax in base 2, the split backward with no atomics,
 the optional fused backward, measured speeds) are documented in `triton_kernels`. This module picks tile
 shapes (``KernelConfig``: ``GPU_DEFAULT`` autotuned on GPU, ``PINNED`` for the tests and the interpreter),
-launches the kernels, and wraps them as ``torch.library.custom_op``s with ``register_fake`` and an autograd
+launches the kernels, and registers them as ``torch.library`` ops with fake kernels and an autograd
 formula that saves only the log-sum-exp, so ``torch.compile`` can trace a layer with the kernel inside.
 
 Shape suffixes: T pack tokens, P prefix tokens, H query heads, K kv heads, D head dim, M query blocks of
@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields
-from typing import Optional
 
 import torch
 import triton
@@ -328,50 +327,34 @@ def _launch_bwd(
 # ----------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("treepack::tree_attention_fwd", mutates_args=())
-def tree_attention_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    prefix_k: Optional[Tensor],  # noqa: UP045 - torch.library infers the schema from it
-    prefix_v: Optional[Tensor],  # noqa: UP045 - torch.library infers the schema from it
-    subtree_end: Tensor,
-    kv_list: Tensor,
-    kv_full: Tensor,
-    kv_count: Tensor,
-    q_order: Tensor,
-    scale: float,
-    config: list[int],
-) -> tuple[Tensor, Tensor]:
+# Defined on a plain `torch.library.Library` with one Python kernel for every device (the CPU runs it under
+# Triton's interpreter), not with ``torch.library.custom_op``: its per-call wrapper cost ~0.45 ms of host time
+# in a profiled dfs step (benchmarks/results/2026-11-25-fa4-replay-h200.md), where small calls go to this kernel.
+_SCHEDULE = ("Tensor subtree_end, Tensor kv_list, Tensor kv_full, Tensor kv_count, Tensor q_order, float scale, "
+             "int[] config")
+_LIB = torch.library.Library("treepack", "FRAGMENT")
+_LIB.define(f"tree_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? prefix_k, Tensor? prefix_v, {_SCHEDULE}) "
+            "-> (Tensor, Tensor)")
+_LIB.define(f"tree_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? prefix_k, "
+            f"Tensor? prefix_v, Tensor out, Tensor lse, {_SCHEDULE}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | None, prefix_v: Tensor | None, subtree_end: Tensor,
+         kv_list: Tensor, kv_full: Tensor, kv_count: Tensor, q_order: Tensor, scale: float,
+         config: list[int]) -> tuple[Tensor, Tensor]:
     """Forward: returns (out [T, Hq, D], lse [Hq, T] float32, base 2)."""
     cfg = KernelConfig.from_list(config)
     return _launch_fwd(q, k, v, prefix_k, prefix_v, subtree_end, kv_list, kv_full, kv_count, q_order, scale, cfg)
 
 
-@tree_attention_fwd.register_fake
-def _(q, k, v, prefix_k, prefix_v, subtree_end, kv_list, kv_full, kv_count, q_order, scale, config):
+def _fwd_fake(q, k, v, prefix_k, prefix_v, subtree_end, kv_list, kv_full, kv_count, q_order, scale, config):
     T, H, _ = q.shape
     return torch.empty_like(q), q.new_empty(H, T, dtype=torch.float32)
 
 
-@torch.library.custom_op("treepack::tree_attention_bwd", mutates_args=())
-def tree_attention_bwd(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    prefix_k: Optional[Tensor],  # noqa: UP045 - torch.library infers the schema from it
-    prefix_v: Optional[Tensor],  # noqa: UP045 - torch.library infers the schema from it
-    out: Tensor,
-    lse: Tensor,
-    subtree_end: Tensor,
-    kv_list: Tensor,
-    kv_full: Tensor,
-    kv_count: Tensor,
-    q_order: Tensor,
-    scale: float,
-    config: list[int],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | None, prefix_v: Tensor | None,
+         out: Tensor, lse: Tensor, subtree_end: Tensor, kv_list: Tensor, kv_full: Tensor, kv_count: Tensor,
+         q_order: Tensor, scale: float, config: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward: returns (dq, dk, dv, dprefix_k, dprefix_v); the prefix grads are [0, Hkv, D] without one."""
     cfg = KernelConfig.from_list(config)
     return _launch_bwd(
@@ -380,8 +363,8 @@ def tree_attention_bwd(
     )
 
 
-@tree_attention_bwd.register_fake
-def _(grad_out, q, k, v, prefix_k, prefix_v, out, lse, subtree_end, kv_list, kv_full, kv_count, q_order, scale, config):
+def _bwd_fake(grad_out, q, k, v, prefix_k, prefix_v, out, lse, subtree_end, kv_list, kv_full, kv_count, q_order,
+              scale, config):
     K, D = k.shape[1], k.shape[2]
     dpk = torch.empty_like(prefix_k) if prefix_k is not None else k.new_empty(0, K, D)
     dpv = torch.empty_like(prefix_v) if prefix_v is not None else v.new_empty(0, K, D)
@@ -408,7 +391,13 @@ def _backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, dpk, dpv, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd("treepack::tree_attention_fwd", _backward, setup_context=_setup_context)
+_LIB.impl("tree_attention_fwd", _fwd, "CompositeExplicitAutograd")
+_LIB.impl("tree_attention_bwd", _bwd, "CompositeExplicitAutograd")
+torch.library.register_fake("treepack::tree_attention_fwd", _fwd_fake, lib=_LIB)
+torch.library.register_fake("treepack::tree_attention_bwd", _bwd_fake, lib=_LIB)
+torch.library.register_autograd("treepack::tree_attention_fwd", _backward, setup_context=_setup_context, lib=_LIB)
+tree_attention_fwd = torch.ops.treepack.tree_attention_fwd.default
+tree_attention_bwd = torch.ops.treepack.tree_attention_bwd.default
 
 
 # ----------------------------------------------------------------------------------------------------
