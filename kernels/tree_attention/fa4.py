@@ -47,6 +47,7 @@ from torch import Tensor
 
 from .blocks import TreeMaskInfo
 from .fa4_replay import LaunchReplay, ReplayStats
+from .ops import register_kernel_ops
 
 __all__ = ["FA4_BLOCK", "FA4_DTYPES", "FA4_HEAD_DIMS", "fa4_importable", "fa4_supported_device", "fa4_tables",
            "fa4_unsupported_reason", "tree_attention_fa4"]
@@ -199,18 +200,6 @@ def fa4_replay_stats() -> tuple[ReplayStats, ReplayStats]:
     return _REPLAY_FWD.stats, _REPLAY_BWD.stats
 
 
-# The ops are defined on a plain `torch.library.Library` with Python kernels for CUDA, not with
-# ``torch.library.custom_op``, whose per-call wrapper cost ~0.45 ms of host time per call in a profiled dfs step
-# (2026-11-25-fa4-replay-h200.md); dfs makes ~800 such calls per step. Same schema, fake kernels and autograd.
-_TABLES = ("Tensor key_end, Tensor fcnt, Tensor fidx, Tensor ffull_cnt, Tensor ffull_idx, Tensor bcnt, Tensor bidx, "
-           "Tensor bfull_cnt, Tensor bfull_idx, float scale, int bwd_block_q")
-_LIB = torch.library.Library("treepack", "FRAGMENT")
-_LIB.define(f"tree_attention_fa4_fwd(Tensor q, Tensor k, Tensor v, Tensor? prefix_k, Tensor? prefix_v, {_TABLES}) "
-            "-> (Tensor, Tensor)")
-_LIB.define(f"tree_attention_fa4_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? prefix_k, "
-            f"Tensor? prefix_v, Tensor out, Tensor lse, {_TABLES}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-
-
 def _fwd(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | None, prefix_v: Tensor | None,
          key_end: Tensor, fcnt: Tensor, fidx: Tensor, ffull_cnt: Tensor, ffull_idx: Tensor,
          bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float, bwd_block_q: int,
@@ -287,14 +276,12 @@ def _backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, dpk, dpv, *([None] * 9), None, None
 
 
-_LIB.impl("tree_attention_fa4_fwd", _fwd, "CUDA")
-_LIB.impl("tree_attention_fa4_bwd", _bwd, "CUDA")
-torch.library.register_fake("treepack::tree_attention_fa4_fwd", _fwd_fake, lib=_LIB)
-torch.library.register_fake("treepack::tree_attention_fa4_bwd", _bwd_fake, lib=_LIB)
-torch.library.register_autograd("treepack::tree_attention_fa4_fwd", _backward, setup_context=_setup_context,
-                                lib=_LIB)
-tree_attention_fa4_fwd = torch.ops.treepack.tree_attention_fa4_fwd.default
-tree_attention_fa4_bwd = torch.ops.treepack.tree_attention_fa4_bwd.default
+tree_attention_fa4_fwd, tree_attention_fa4_bwd = register_kernel_ops(
+    "tree_attention_fa4",
+    "Tensor key_end, Tensor fcnt, Tensor fidx, Tensor ffull_cnt, Tensor ffull_idx, Tensor bcnt, Tensor bidx, "
+    "Tensor bfull_cnt, Tensor bfull_idx, float scale, int bwd_block_q",
+    fwd=_fwd, fwd_fake=_fwd_fake, bwd=_bwd, bwd_fake=_bwd_fake, backward=_backward, setup_context=_setup_context,
+    dispatch_key="CUDA")
 
 
 def tree_attention_fa4(

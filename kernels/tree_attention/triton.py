@@ -21,6 +21,7 @@ import triton
 from torch import Tensor
 
 from .blocks import TreeMaskInfo, prepare
+from .ops import register_kernel_ops
 from .triton_kernels import bwd_delta_kernel, bwd_dkdv_kernel, bwd_dq_kernel, fwd_kernel
 
 __all__ = ["GPU_DEFAULT", "PINNED", "KernelConfig", "schedule_for", "tree_attention_triton"]
@@ -327,18 +328,6 @@ def _launch_bwd(
 # ----------------------------------------------------------------------------------------------------
 
 
-# Defined on a plain `torch.library.Library` with one Python kernel for every device (the CPU runs it under
-# Triton's interpreter), not with ``torch.library.custom_op``: its per-call wrapper cost ~0.45 ms of host time
-# in a profiled dfs step (benchmarks/results/2026-11-25-fa4-replay-h200.md), where small calls go to this kernel.
-_SCHEDULE = ("Tensor subtree_end, Tensor kv_list, Tensor kv_full, Tensor kv_count, Tensor q_order, float scale, "
-             "int[] config")
-_LIB = torch.library.Library("treepack", "FRAGMENT")
-_LIB.define(f"tree_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? prefix_k, Tensor? prefix_v, {_SCHEDULE}) "
-            "-> (Tensor, Tensor)")
-_LIB.define(f"tree_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? prefix_k, "
-            f"Tensor? prefix_v, Tensor out, Tensor lse, {_SCHEDULE}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-
-
 def _fwd(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | None, prefix_v: Tensor | None, subtree_end: Tensor,
          kv_list: Tensor, kv_full: Tensor, kv_count: Tensor, q_order: Tensor, scale: float,
          config: list[int]) -> tuple[Tensor, Tensor]:
@@ -391,13 +380,12 @@ def _backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, dpk, dpv, None, None, None, None, None, None, None
 
 
-_LIB.impl("tree_attention_fwd", _fwd, "CompositeExplicitAutograd")
-_LIB.impl("tree_attention_bwd", _bwd, "CompositeExplicitAutograd")
-torch.library.register_fake("treepack::tree_attention_fwd", _fwd_fake, lib=_LIB)
-torch.library.register_fake("treepack::tree_attention_bwd", _bwd_fake, lib=_LIB)
-torch.library.register_autograd("treepack::tree_attention_fwd", _backward, setup_context=_setup_context, lib=_LIB)
-tree_attention_fwd = torch.ops.treepack.tree_attention_fwd.default
-tree_attention_bwd = torch.ops.treepack.tree_attention_bwd.default
+# one Python kernel for every device: the CPU runs it under Triton's interpreter
+tree_attention_fwd, tree_attention_bwd = register_kernel_ops(
+    "tree_attention",
+    "Tensor subtree_end, Tensor kv_list, Tensor kv_full, Tensor kv_count, Tensor q_order, float scale, int[] config",
+    fwd=_fwd, fwd_fake=_fwd_fake, bwd=_bwd, bwd_fake=_bwd_fake, backward=_backward, setup_context=_setup_context,
+    dispatch_key="CompositeExplicitAutograd")
 
 
 # ----------------------------------------------------------------------------------------------------
