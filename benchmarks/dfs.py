@@ -220,6 +220,7 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
         return {"oom": True}
     finally:
         gc.enable()
+        gc.unfreeze()
     out = {"seconds": statistics.median(t for t, _, _ in runs), "peak": max(m for _, m, _ in runs),
            "work": runs[-1][2], "times": [t for t, _, _ in runs]}
     if profile and cuda:

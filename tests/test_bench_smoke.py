@@ -1,11 +1,12 @@
-"""CPU smoke run of ``benchmarks/train_step.py``: a tiny model through the CPU runners, checking the FLOP
-model's inputs against the data and that the report carries every table (the GPU numbers come from
-`make bench-gpu`)."""
+"""CPU smoke runs of the benchmarks: ``train_step.py`` (a tiny model through the CPU runners, checking the FLOP
+model's inputs against the data and that the report carries every table), ``hf.py``, ``fa4_blocks.py`` and
+``dfs.py`` (the GPU numbers come from `make bench-gpu`)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -107,3 +108,32 @@ def test_fa4_blocks_orders_are_dfs_layouts_of_the_same_tree(monkeypatch):
             kids.append(int(se[c] - c))
             c = int(se[c])
         assert kids == sorted(kids)
+
+
+def test_dfs_benchmark_cpu_smoke(tmp_path, monkeypatch):
+    """benchmarks/dfs.py on a tiny model: the dfs row, the settings it ran under, and the host profile."""
+    spec = importlib.util.spec_from_file_location("dfs_bench", BENCH.parent / "dfs.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    from treepack.kernels.tree_attention import fa4
+
+    monkeypatch.setenv("TREEPACK_FA4_REPLAY", "on")  # the benchmark sets both for its run: restored after
+    monkeypatch.setattr(fa4, "FA4_BWD_BLOCK_Q", fa4.FA4_BWD_BLOCK_Q)
+    out = tmp_path / "dfs.md"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bench.main(["--workloads", "tau-bench", "--modes", "dfs", "--dfs", "2048", "--model", "tiny",
+                    "--device", "cpu", "--tau-records", "4", "--repeats", "1", "--gc", "freeze", "--cprofile",
+                    "--compile", "off", "--fa4-replay", "off", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    text = out.read_text()
+    assert "(FA4 launch replay off, backward query blocks of 128 rows); Python gc freeze" in text
+    n_tree = int(re.search(r"N_tree ([\d,]+),", text).group(1).replace(",", ""))
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| dfs B=2048 | 1 | ")]
+    assert n_tree <= 2048 and len(rows) == 1  # the whole forest fits one block: one model call
+    calls, graph_tokens = rows[0][-3].strip(), int(rows[0][-2].strip().replace(",", ""))
+    assert calls == "1" and 0 < graph_tokens <= n_tree
+    assert "dfs B=2048: cProfile of one step" in text and "| function | calls | own s | cumulative s |" in text
