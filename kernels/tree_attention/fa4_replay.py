@@ -25,7 +25,8 @@ calls) leaves the signature on FA4's own path, with the reason counted in `Repla
 Python pass over the recorded arguments per launch.
 
 ``TREEPACK_FA4_REPLAY=0`` turns replay off; ``=check`` also runs FA4's own path after every replay and raises
-if the outputs differ (beyond float32 atomics' reordering). The GPU tests and benchmarks/dfs.py use it.
+if the outputs differ (beyond float32 atomics' reordering): the GPU tests use it, and
+``benchmarks/dfs.py --fa4-replay check`` runs whole steps so.
 """
 
 from __future__ import annotations
