@@ -60,7 +60,7 @@ AREAL_DTA = ({"seconds": 1.97, "gib": 13.4, "block": 2048}, {"seconds": 1.71, "g
 
 from treepack.io.ingest import read_rollouts
 from treepack.io.rollouts import Rollouts
-from treepack.pack.layout import Pack, build_pack
+from treepack.pack.layout import CHILD_ORDERS, Pack, build_pack, relayout
 from treepack.train.data import dense_batches, leaf_sequences, pack_rollouts
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import ModelArgs
@@ -99,10 +99,12 @@ def workload(name: str, args) -> Rollouts:
 
 
 def batches(r: Rollouts, args) -> dict[str, list[Pack]]:
-    """The packs of each mode; tree mode once per capacity, under "tree" (the first) and "tree C=<capacity>"."""
-    whole = build_pack(r)
+    """The packs of each mode; tree mode once per capacity, under "tree" (the first) and "tree C=<capacity>";
+    dfs and tree packs in ``--child-order``."""
+    order = getattr(args, "child_order", "lex")
+    whole = relayout(build_pack(r), order)
     capacities = args.capacity if isinstance(args.capacity, list) else [args.capacity]
-    trees = {f"tree C={c}": list(pack_rollouts(r, c)) for c in capacities}
+    trees = {f"tree C={c}": [relayout(p, order) for p in pack_rollouts(r, c)] for c in capacities}
     return {
         "dfs": [whole],
         "tree": trees[f"tree C={capacities[0]}"],
@@ -144,21 +146,29 @@ def plan_only(args) -> str:
 # GPU measurement
 
 
-def gpu_busy(step) -> tuple[float, float]:
-    """(wall seconds, seconds the GPU ran kernels or copies: the union of their intervals) of one ``step()``
-    under torch.profiler. Busy well below wall means the host (Python, launches) sets the pace."""
+def gpu_busy(step, top: int = 12) -> tuple[float, float, str]:
+    """(wall seconds, seconds the GPU ran kernels or copies: the union of their intervals, a markdown table of
+    the longest kernels) of one ``step()`` under torch.profiler. Busy well below wall means the host (Python,
+    launches) sets the pace."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         wall = step()[0]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
     busy_us, end = 0.0, float("-inf")
     for lo, hi in spans:
         if hi > end:
             busy_us += hi - max(lo, end)
             end = hi
-    return wall, busy_us / 1e6
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    table = "| kernel | calls | GPU ms | share of busy |\n|---|---|---|---|\n" + "".join(
+        f"| `{name[:90]}` | {len(d)} | {sum(d) / 1e3:.1f} | {sum(d) / busy_us:.1%} |\n" for name, d in rows)
+    return wall, busy_us / 1e6, table
 
 
 def host_profile(step, top: int = 25) -> str:
@@ -196,14 +206,19 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         t0 = time.perf_counter()
         work: dict = {}
         for pack, row in zip(packs, rows):
             out = mode(model, pack, row, objective, totals)
             out.backward()
             work = merge_work(work, out.metrics)
+        # host time to queue the step: close to the wall time when the GPU waits for the host
+        work["issue_seconds"] = time.perf_counter() - t0
         if cuda:
             torch.cuda.synchronize()
+            # allocations that had to free cached blocks first (cudaFree waits for the whole device)
+            work["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
         return time.perf_counter() - t0, torch.cuda.max_memory_allocated() if cuda else 0, work
 
     try:
@@ -222,9 +237,11 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
         gc.enable()
         gc.unfreeze()
     out = {"seconds": statistics.median(t for t, _, _ in runs), "peak": max(m for _, m, _ in runs),
-           "work": runs[-1][2], "times": [t for t, _, _ in runs]}
+           "work": runs[-1][2], "times": [t for t, _, _ in runs],
+           "issue": statistics.median(w["issue_seconds"] for _, _, w in runs),
+           "alloc_retries": sum(w.get("alloc_retries", 0) for _, _, w in runs)}
     if profile and cuda:
-        out["profiled_wall"], out["gpu_busy"] = gpu_busy(step)
+        out["profiled_wall"], out["gpu_busy"], out["kernels"] = gpu_busy(step)
     if cprofile:
         out["host_profile"] = host_profile(step)
     return out
@@ -260,7 +277,7 @@ def run_gpu(args) -> None:
          f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), random init, "
          f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
          f"token-mean; attention {args.attention} (FA4 launch replay {args.fa4_replay}, backward query blocks of "
-         f"{args.fa4_bwd_block_q} rows); Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
+         f"{args.fa4_bwd_block_q} rows); pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
          f"dense micro-batches <= "
          f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
         f"Command: `{command_line(__file__, sys.argv[1:])}` (model init {init_s:.0f} s).",
@@ -330,6 +347,13 @@ def run_gpu(args) -> None:
                          f"| {_vs_tree_same_memory(res, trees)} "
                          f"| {ratio(leaf_s, res['seconds'])} | {res['peak'] / 2**30:.2f} "
                          f"| | | |\n")
+        timed = [(label, res) for label, res in results.items() if "issue" in res]
+        if timed:
+            out_text += ("\nHost time to queue a step (median; near s/step means the GPU waited for the host) and "
+                         "allocations that first had to free cached memory (each waits for the device):\n")
+            for label, res in timed:
+                out_text += (f"- {label}: queued in {res['issue']:.3f} s of {res['seconds']:.3f} s; steps "
+                             f"{', '.join(f'{t:.3f}' for t in res['times'])}; alloc retries {res['alloc_retries']}\n")
         for label, res in results.items():
             if "host_profile" in res:
                 out_text += f"\n{label}: {res['host_profile']}"
@@ -343,6 +367,8 @@ def run_gpu(args) -> None:
                 out_text += (f"- {label}: {res['gpu_busy']:.3f} s busy of {res['profiled_wall']:.3f} s wall "
                              f"({res['gpu_busy'] / res['profiled_wall']:.0%}); host-bound share "
                              f"{1 - res['gpu_busy'] / res['profiled_wall']:.0%}\n")
+            for label, res in profiled:
+                out_text += f"\n{label}, longest kernels of the profiled step:\n\n{res['kernels']}"
         if name == "tau-bench" and len(r) == 144:
             out_text += "\n"
             for ref in AREAL_DTA:
@@ -395,6 +421,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--logits-chunk", type=int, default=4096, help="rows of full-vocabulary logits at a time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--child-order", default="lex", choices=CHILD_ORDERS,
+                    help="DFS order of the dfs and tree packs (treepack.pack.layout.relayout)")
     ap.add_argument("--fa4-replay", default="on", choices=("on", "off", "check"),
                     help="FA4 launch replay (TREEPACK_FA4_REPLAY): on, off, or checked against FA4 on every call")
     ap.add_argument("--fa4-bwd-block-q", type=int, default=128, choices=(128, 80),

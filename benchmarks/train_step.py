@@ -246,11 +246,14 @@ def _sync(device: torch.device) -> None:
 class Trainer:
     """The inner loop of `treepack.train.loop.train` for one global batch = all packs of a runner."""
 
-    def __init__(self, model: Decoder, autocast_dtype: torch.dtype | None) -> None:
+    def __init__(self, model: Decoder, autocast_dtype: torch.dtype | None, adamw: str = "auto") -> None:
         cfg = RunConfig()
         self.model = model
         self.device = model.device
         self.optimizer = make_optimizer(model, cfg)
+        if adamw == "foreach":  # the multi-tensor loop instead of make_optimizer's fused kernel
+            for group in self.optimizer.param_groups:
+                group["fused"], group["foreach"] = False, True
         self.grad_clip = cfg.train.grad_clip
         self.logits_chunk = cfg.train.logits_chunk
         self.objective = Objective(kind="grpo")
@@ -560,7 +563,7 @@ class Bench:
             model = Decoder.random_init(model_args(job.model, key[1]), seed=self.args.seed, device=self.device,
                                             draw_on_device=True)
             model.compile = self.args.compile
-            self.trainer, self.trainer_key = Trainer(model, self.autocast_dtype), key
+            self.trainer, self.trainer_key = Trainer(model, self.autocast_dtype, self.args.adamw), key
             self.log(f"{job.model}: initialised on {self.device} in {time.perf_counter() - t0:.1f} s")
         return self.trainer
 
@@ -698,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child-order", default="lex", choices=CHILD_ORDERS,
                     help="DFS order of the tree runners' pack tokens (treepack train's data.child_order): lex "
                          "(as packed) or largest-first (fewer partial FA4 blocks on ToolBench)")
+    ap.add_argument("--adamw", default="auto", choices=("auto", "foreach"),
+                    help="auto: make_optimizer's choice (fused on CUDA); foreach: the multi-tensor loop")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="markdown report (rewritten after each job)")
     ap.add_argument("--json-out", type=Path, default=None, help="raw results (JSON), rewritten per job")
@@ -728,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
               f"- command: `{command}`",
               (f"- step: GRPO loss (token mean), "
                f"{'bf16 autocast over float32 weights and AdamW state' if autocast_dtype else 'float32'}, "
-               f"gradient clipping 1.0, AdamW; dense micro-batches <= {parse_size(args.dense_tokens):,} flat "
+               f"gradient clipping 1.0, AdamW ({args.adamw}); dense micro-batches <= {parse_size(args.dense_tokens):,} flat "
                f"tokens; {args.repeats} timed steps after one warm-up (fewer when a step takes over "
                f"{args.max_step_seconds:g} s), median"),
               f"- tree packs: tokens in `{args.child_order}` DFS order (`--child-order`, `data.child_order`)"]

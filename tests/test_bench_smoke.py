@@ -126,14 +126,15 @@ def test_dfs_benchmark_cpu_smoke(tmp_path, monkeypatch):
     try:
         bench.main(["--workloads", "tau-bench", "--modes", "dfs", "--dfs", "2048", "--model", "tiny",
                     "--device", "cpu", "--tau-records", "4", "--repeats", "1", "--gc", "freeze", "--cprofile",
-                    "--compile", "off", "--fa4-replay", "off", "--out", str(out)])
+                    "--compile", "off", "--fa4-replay", "off", "--child-order", "largest-first", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     text = out.read_text()
-    assert "(FA4 launch replay off, backward query blocks of 128 rows); Python gc freeze" in text
+    assert "(FA4 launch replay off, backward query blocks of 128 rows); pack child order largest-first; Python gc freeze" in text
     n_tree = int(re.search(r"N_tree ([\d,]+),", text).group(1).replace(",", ""))
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| dfs B=2048 | 1 | ")]
     assert n_tree <= 2048 and len(rows) == 1  # the whole forest fits one block: one model call
     calls, graph_tokens = rows[0][-3].strip(), int(rows[0][-2].strip().replace(",", ""))
     assert calls == "1" and 0 < graph_tokens <= n_tree
+    assert re.search(r"- dfs B=2048: queued in [\d.]+ s of [\d.]+ s; steps [\d.]+; alloc retries 0", text)
     assert "dfs B=2048: cProfile of one step" in text and "| function | calls | own s | cumulative s |" in text

@@ -83,3 +83,30 @@ def test_compiled_logprobs_match_eager():
     for eager, comp in zip(outs[:2], outs[2:]):
         for a, b in zip(eager, comp):
             assert torch.allclose(a, b, rtol=2e-2, atol=2e-2 * float(a.abs().max())), float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("weights", ["float32-autocast", "bfloat16"])
+def test_logprob_backward_vocab_blocks_on_cuda(weights):
+    """Several vocabulary blocks in backward, on cuBLAS's 16-bit-in, float32-out GEMM (float32 weights under
+    autocast) or a plain bf16 GEMM (bf16 weights): log-probs and gradients within bf16 error of a float64
+    reference, and the wide GEMM is used, not its fallback."""
+    from treepack.train import losses
+
+    torch.manual_seed(0)
+    R, V, D = 700, 3000, 64
+    dtype = torch.float32 if weights == "float32-autocast" else torch.bfloat16
+    h = torch.randn(R, D, device="cuda", dtype=dtype, requires_grad=True)
+    w = (0.3 * torch.randn(V, D, device="cuda")).to(dtype).requires_grad_()
+    t = torch.randint(0, V, (R,), device="cuda")
+    coef = torch.linspace(-1, 1, R, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+        lp = target_logprobs(h, w, t, chunk_rows=100, compiled=True)  # 7 row chunks, 6 vocabulary blocks
+    (lp * coef).sum().backward()
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = torch.log_softmax(h64 @ w64.T, dim=-1).gather(1, t[:, None])[:, 0]
+    (ref * coef.double()).sum().backward()
+    assert losses.vocab_block(R, V, 100) < V and losses._WIDE_GEMM["cuda"]
+    assert float((lp.double() - ref).abs().max()) <= 0.05 * float(ref.abs().max())
+    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        assert got.dtype == dtype
+        assert float((got.double() - want).abs().max()) <= 0.02 * float(want.abs().max())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import rollouts_from
 
 from treepack.errors import ConfigError, TreepackError
@@ -17,6 +19,7 @@ from treepack.train.losses import (
     row_weights,
     target_logprobs,
     token_weights_fast,
+    vocab_block,
 )
 
 
@@ -34,6 +37,33 @@ def test_target_logprobs_matches_log_softmax(chunk):
     gh, gw = torch.autograd.grad((coef * got).sum(), (h, w))
     assert torch.allclose(gh, gh_ref, rtol=0, atol=1e-14)
     assert torch.allclose(gw, gw_ref, rtol=0, atol=1e-14)
+
+
+@settings(max_examples=40, deadline=None)
+@given(R=st.integers(1, 40), V=st.integers(1, 600), D=st.integers(1, 6), chunk=st.integers(1, 50),
+       seed=st.integers(0, 2**16))
+def test_target_logprobs_blocks_match_naive(R, V, D, chunk, seed):
+    """Row chunks forward, vocabulary blocks backward (several when rows > chunk and V > 128): the log-probs
+    and both gradients of a naive full log-softmax, in float64."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(R, D, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(V, D, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, V, (R,), generator=g)
+    coef = torch.randn(R, dtype=torch.float64, generator=g)
+    ref = torch.log_softmax(h @ w.T, dim=-1).gather(1, t[:, None])[:, 0]
+    got = target_logprobs(h, w, t, chunk_rows=chunk)
+    assert torch.allclose(got, ref, rtol=0, atol=1e-12)
+    for a, b in zip(torch.autograd.grad((coef * got).sum(), (h, w)), torch.autograd.grad((coef * ref).sum(), (h, w))):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+@given(rows=st.integers(1, 100_000), vocab=st.integers(1, 300_000), chunk=st.integers(1, 8192))
+def test_vocab_block_bounds_the_logits_of_a_block(rows, vocab, chunk):
+    b = vocab_block(rows, vocab, chunk)
+    assert 1 <= b <= vocab and (b == vocab or b % 128 == 0)
+    blocks = -(-vocab // b)
+    assert blocks <= max(1, -(-rows // chunk))  # no more blocks than the forward has chunks
+    assert rows * b <= max(rows, chunk) * vocab + rows * 128  # a block's logits <= a chunk's (+ rounding)
 
 
 def test_target_logprobs_gradcheck_and_repeated_rows():

@@ -162,12 +162,19 @@ def build_model(cfg: RunConfig, packs: list[Pack], device: torch.device, dtype: 
 
 
 def make_optimizer(model: Decoder, cfg: RunConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms and biases)."""
+    """AdamW; weight decay on matrices only (not on norms and biases).
+
+    On CUDA with plain (unsharded) parameters, torch's fused kernel: one pass over parameters, gradients
+    and both moments instead of the multi-tensor loop's many (AdamW and clipping took 13 ms of a ToolBench
+    tree step's GPU time on an H200, benchmarks/results/2026-11-25-child-order-h200.md). Sharded (DTensor)
+    parameters keep the loop."""
     t = cfg.train
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+    fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for p in params)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused or None)
 
 
 def step_batch(step: int, packs: list[Pack], cfg: RunConfig, objective: Objective) -> list[Pack]:

@@ -22,8 +22,8 @@ Objectives (``Objective``):
   ``loss_weight[p]`` = how many sequences train on p; no per-sequence arrays at all.
 
 Log-probs never materialise full-vocabulary logits for all rows: `target_logprobs` computes them in row
-chunks and recomputes each chunk's logits in backward (saving only the hidden rows and one log-sum-exp
-per row). For V = 151,936 and 4,096-row chunks the live logits are 2.5 GB in float32 instead of
+chunks, saving only the hidden rows and one log-sum-exp per row, and recomputes them in backward in
+vocabulary blocks of the same size. For V = 151,936 and 4,096-row chunks the live logits are 2.5 GB in float32 instead of
 19 GB for a 32k-token pack.
 
 Legend: R loss rows, U pack tokens whose log-prob is needed, S sequences, T pack tokens, F flat tokens
@@ -66,19 +66,64 @@ def _chunk_logprobs(logits_CV: Tensor, target_C: Tensor, acc: torch.dtype) -> tu
     return lse_C, logits_CV.gather(1, target_C[:, None])[:, 0] - lse_C
 
 
-def _chunk_grad_logits(logits_CV: Tensor, lse_C: Tensor, g_C: Tensor, target_C: Tensor, out: torch.dtype) -> Tensor:
-    """d(sum_r g_r logp_r) / d logits = g_r (onehot(target_r) - softmax(logits_r)), cast to ``out``."""
-    acc = lse_C.dtype
-    g_C = g_C.to(acc)
-    grad_CV = torch.exp(logits_CV.to(acc) - lse_C[:, None]).mul(-g_C[:, None])
-    return grad_CV.scatter_add(1, target_C[:, None], g_C[:, None]).to(out)
+def _block_grad_logits_(logits_RB: Tensor, lse_R: Tensor, g_R: Tensor, target_R: Tensor, v0: int) -> None:
+    """Overwrite a block of logits (vocabulary columns [v0, v0 + B)) with d(sum_r g_r logp_r) / d logits
+    = g_r (onehot(target_r) - softmax(logits_r)), computed in ``lse_R``'s dtype: one pointwise pass, in
+    place (no second [R, B] buffer at the backward's memory peak), the one-hot a comparison, not a scatter."""
+    acc = lse_R.dtype
+    hit_RB = (torch.arange(logits_RB.shape[1], device=logits_RB.device) + v0)[None, :] == target_R[:, None]
+    p_RB = torch.exp(logits_RB.to(acc) - lse_R[:, None])
+    logits_RB.copy_(g_R.to(acc)[:, None] * (hit_RB.to(acc) - p_RB))
+
+
+_WIDE_GEMM: dict[str, bool] = {"cuda": True}
+
+
+def _matmul_into(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool) -> None:
+    """``out (+)= a @ b`` where ``out`` may be wider than ``a`` and ``b`` (16-bit inputs, float32 result).
+
+    On CUDA cuBLAS's 16-bit-in, float32-out GEMM (``mm``/``addmm`` with ``out_dtype``) writes the result
+    in place, with no 16-bit product and no float32 copy of it; elsewhere (CPU, an older torch) the product
+    is formed in the input dtype and cast."""
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+        return
+    dev = out.device.type
+    if _WIDE_GEMM.get(dev, False):
+        try:
+            if accumulate:
+                torch.ops.aten.addmm.dtype_out(out, a, b, out.dtype, out=out)
+            else:
+                torch.ops.aten.mm.dtype_out(a, b, out.dtype, out=out)
+            return
+        except (RuntimeError, AttributeError, NotImplementedError):
+            _WIDE_GEMM[dev] = False
+    if accumulate:
+        out += (a @ b).to(out.dtype)
+    else:
+        out.copy_(a @ b)
+
+
+def vocab_block(rows: int, vocab: int, chunk_rows: int) -> int:
+    """Vocabulary columns per backward block: as many logits as a forward chunk of ``chunk_rows`` rows
+    (rows x block <= chunk_rows x vocab), a multiple of 128."""
+    blocks = max(1, -(-rows // max(chunk_rows, 1)))
+    per_block = -(-vocab // blocks)
+    return min(vocab, -(-per_block // 128) * 128)
 
 
 class _TargetLogProb(torch.autograd.Function):
-    """logp_R = log_softmax(hidden_RD @ weight_VD.T)[r, target_R[r]], chunked over rows, logits recomputed.
+    """logp_R = log_softmax(hidden_RD @ weight_VD.T)[r, target_R[r]], logits recomputed in backward.
 
-    The logits of a chunk stay in the matmul dtype; the softmax work reads them once per pass (compiled:
-    one fused kernel each way instead of a float32 copy plus several elementwise passes)."""
+    Forward: row chunks (a row's log-sum-exp needs its whole vocabulary), saving one log-sum-exp per row.
+    Backward: vocabulary blocks over all rows at once, as many logits per block as a forward chunk. Each
+    block's weight gradient is then one GEMM over every row (float32 accumulation inside cuBLAS, rounded
+    once) written straight into its rows of the result, and the hidden-state gradient, [R, D], is the
+    small sum. Row chunks would need a [V, D] float32 accumulator beside the result (0.58 GiB for Qwen3's
+    vocabulary) at the moment a DFS call's whole graph is alive: its memory peak."""
 
     @staticmethod
     def forward(ctx, hidden_RD: Tensor, weight_VD: Tensor, target_R: Tensor, chunk: int, compiled: bool) -> Tensor:
@@ -100,30 +145,33 @@ class _TargetLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_R: Tensor):
         hidden_RD, weight_VD, target_R, lse_R = ctx.saved_tensors
-        mm, chunk = ctx.mm, ctx.chunk
+        mm = ctx.mm
         acc = lse_R.dtype
         h_RD, w_VD = hidden_RD.to(mm), weight_VD.to(mm)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h_RD = torch.empty_like(hidden_RD) if need_h else None
-        grad_w_VD = torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_w else None
-        grad_logits = pick(_chunk_grad_logits, ctx.compiled)
-        for r0 in range(0, h_RD.shape[0], chunk):
-            h_CD = h_RD[r0 : r0 + chunk]
-            grad_logits_CV = grad_logits(h_CD @ w_VD.T, lse_R[r0 : r0 + chunk], grad_R[r0 : r0 + chunk],
-                                         target_R[r0 : r0 + chunk], mm)
+        R, V = h_RD.shape[0], w_VD.shape[0]
+        grad_h_RD = torch.zeros(hidden_RD.shape, dtype=acc, device=h_RD.device) if need_h else None
+        grad_w_VD = torch.empty_like(weight_VD) if need_w else None
+        grad_logits_ = pick(_block_grad_logits_, ctx.compiled)
+        B = vocab_block(R, V, ctx.chunk)
+        for v0 in range(0, V, B):
+            w_BD = w_VD[v0 : v0 + B]
+            grad_RB = h_RD @ w_BD.T
+            grad_logits_(grad_RB, lse_R, grad_R, target_R, v0)
             if need_h:
-                grad_h_RD[r0 : r0 + chunk] = (grad_logits_CV @ w_VD).to(hidden_RD.dtype)
+                _matmul_into(grad_h_RD, grad_RB, w_BD, accumulate=True)
             if need_w:
-                grad_w_VD += (grad_logits_CV.T @ h_CD).to(acc)
-        if need_w:
-            grad_w_VD = grad_w_VD.to(weight_VD.dtype)
+                _matmul_into(grad_w_VD[v0 : v0 + B], grad_RB.T, h_RD, accumulate=False)
+            del grad_RB
+        if need_h:
+            grad_h_RD = grad_h_RD.to(hidden_RD.dtype)
         return grad_h_RD, grad_w_VD, None, None, None
 
 
 def target_logprobs(hidden_RD: Tensor, weight_VD: Tensor, target_R: Tensor,
                     chunk_rows: int = DEFAULT_CHUNK_ROWS, *, compiled: bool = False) -> Tensor:
     """Log-prob [R] of ``target_R`` under ``softmax(hidden_RD @ weight_VD.T)``, in float32 (float64 for
-    float64 inputs), ``chunk_rows`` rows of logits alive at a time in forward and backward;
+    float64 inputs), at most ``chunk_rows`` x V logits alive at a time in forward and backward;
     ``compiled``: the softmax passes through `torch.compile` (CUDA)."""
     if hidden_RD.shape[0] == 0:
         acc = torch.float64 if hidden_RD.dtype == torch.float64 else torch.float32

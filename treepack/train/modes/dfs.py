@@ -20,18 +20,20 @@ Memory. The path cache holds the longest path's K/V and their gradients: per tok
 ``layers x 2 x kv_heads x head_dim`` values, in the model dtype plus float32 for the gradient (Qwen3-0.6B
 in bf16: 112 KiB + 224 KiB per path token, 3.0 GiB for tau-bench's 9.4k-token path). The graph alive at
 once is one call's (``block_size`` tokens) plus the kept pieces (``keep_tokens``); it does not grow with
-the tree. Time. Each step is a full model call, so its host-side cost matters: ~1,800 kernel launches
-per call for Qwen3-0.6B (28 layers, one compiled graph per layer) plus, per layer, FA4's Python launch path
-forward and backward (1.3-1.6 ms per small call); the per-call path has no host sync
-(tests/test_host_sync_gpu.py), yet a call of a few thousand tokens does not hide it. On an H200 a tau-bench
-step (144 records, B=8192, 11 calls, FA4) took 1.22-1.29 s at 13.06 GiB, of which the GPU was busy 0.95 s,
-less than tree mode's 0.98 s for the same records (benchmarks/results/2026-11-25-dfs-host-bound-h200.md):
-what remains is host time, which fewer, larger calls amortise. Prefer the largest block the memory allows:
-a smaller one anchors each leaf's tail beyond one block and adds calls (B=6144: 19 calls, 1.88 s; B=4096:
-28 calls, 27% of the tokens anchored, 2.53 s); where memory is short, ``train.activation_memory_budget``
-below 1 lets the compiled layers recompute instead of saving (B=8192 at 0.7: 13.06 GiB, at 0.85: 14.62 GiB
-and 2% faster), which costs less than a smaller block; a larger block at a lower budget makes fewer calls
-(B=16384 at 0.4: 6 calls, 1.06 s) but needed 18.45 GiB there.
+the tree. A call's peak is the start of its backward, the loss's, with the whole graph alive: the
+log-prob backward works in vocabulary blocks, in place, so it adds ~0.6 GiB there instead of 2.0 GiB.
+
+Time. Each step is a full model call, so its host-side cost matters: ~1,800 kernel launches per call for
+Qwen3-0.6B (28 layers, one compiled graph per layer) plus FA4's launches, replayed per call shape; the
+per-call path has no host sync (tests/test_host_sync_gpu.py), yet a call of a few thousand tokens does not
+hide it. On an H200 a tau-bench step (144 records, B=8192, budget 0.7, 11 calls, attention auto) took
+1.05-1.16 s at 11.87 GiB; the host queued its work for 97% of that while the GPU was busy 0.94 s, less
+than tree mode's 0.97 s for the same records (benchmarks/results/2026-11-25-dfs-memory-h200.md).
+Prefer the largest block the memory allows: a smaller one anchors each leaf's tail beyond one block and
+adds calls (B=6144: 19 calls, 1.88 s; B=4096: 28 calls, 27% of the tokens anchored, 2.53 s;
+2026-11-25-dfs-host-bound-h200.md); where memory is short, ``train.activation_memory_budget`` below 1 lets
+the compiled layers recompute instead of saving, which costs less than a smaller block; a larger block at
+a lower budget makes fewer calls (B=16384 at 0.4: 6 calls) but needed 17.27 GiB.
 
 Legend: T pack tokens, C tokens of a step, X targets of a step, U target tokens of the pack, R loss
 rows, L layers, P cached path rows, K kv heads, E head dim, D hidden size.
