@@ -254,7 +254,12 @@ def run_gpu(args) -> None:
     from treepack.train.modes import make_mode
 
     os.environ["TREEPACK_FA4_REPLAY"] = args.fa4_replay
+    import torch._functorch.config as functorch_config
     from treepack.kernels.tree_attention import fa4
+
+    # costed: the budget partitioner weighs the tree-attention ops by their FLOP formula (kernels/tree_attention/
+    # ops.py) instead of treating them, as custom ops, as free to recompute
+    functorch_config.is_non_builtin_to_include = args.attention_recompute == "costed"
 
     fa4.FA4_BWD_BLOCK_Q = args.fa4_bwd_block_q
     dev = torch.device(args.device)
@@ -277,7 +282,7 @@ def run_gpu(args) -> None:
          f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), random init, "
          f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
          f"token-mean; attention {args.attention} (FA4 launch replay {args.fa4_replay}, backward query blocks of "
-         f"{args.fa4_bwd_block_q} rows); pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
+         f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
          f"dense micro-batches <= "
          f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
         f"Command: `{command_line(__file__, sys.argv[1:])}` (model init {init_s:.0f} s).",
@@ -421,6 +426,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--logits-chunk", type=int, default=4096, help="rows of full-vocabulary logits at a time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention-recompute", default="free", choices=("free", "costed"),
+                    help="under --activation-memory-budget < 1: free (torch's default for custom ops: the "
+                         "attention forward may be recomputed in backward) or costed (weighed by its FLOPs)")
     ap.add_argument("--child-order", default="lex", choices=CHILD_ORDERS,
                     help="DFS order of the dfs and tree packs (treepack.pack.layout.relayout)")
     ap.add_argument("--fa4-replay", default="on", choices=("on", "off", "check"),

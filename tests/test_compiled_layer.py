@@ -63,3 +63,53 @@ def test_compiled_layer_with_tree_kernel_matches_eager():
         assert r["fused"], r
         assert abs(r["loss_compiled"] - r["loss_eager"]) <= 1e-5 * max(abs(r["loss_eager"]), 1.0), r
         assert r["grad_rel"] < 1e-5, r
+
+
+BUDGET_SCRIPT = textwrap.dedent("""
+    import importlib, json, sys
+    import numpy as np, torch
+    import torch._functorch.config as functorch_config
+    sys.path.insert(0, {tests!r})
+    from test_equivalence import make_pack, random_sequences
+    from treepack.train.losses import BatchTotals, LossRows, Objective
+    from treepack.train.model import Decoder, ModelArgs
+    from treepack.train.modes import make_mode
+
+    tri = importlib.import_module("treepack.kernels.tree_attention.triton")
+    launches = []
+    launch_fwd = tri._launch_fwd
+    def counted(*a, **k):
+        launches.append(1)
+        return launch_fwd(*a, **k)
+    tri._launch_fwd = counted
+    args = ModelArgs.for_family("qwen3", vocab_size=13, hidden_size=64, intermediate_size=96, num_layers=2,
+                                num_heads=4, num_kv_heads=2, head_dim=32)
+    pack = make_pack(random_sequences(np.random.default_rng(3), 10), 0)
+    rows = LossRows.from_pack(pack)
+    for costed in (False, True):
+        torch._dynamo.reset()
+        functorch_config.is_non_builtin_to_include = costed
+        model = Decoder.random_init(args, seed=0, dtype=torch.float32)
+        model.compile, model.activation_memory_budget = "on", 0.5
+        for _ in range(2):  # the first step compiles
+            launches.clear()
+            out = make_mode("tree", attention="triton")(model, pack, rows, Objective("grpo", "token"),
+                                                         BatchTotals.of([rows]))
+            out.backward()
+        print(json.dumps({{"costed": costed, "forward_launches": len(launches), "layers": args.num_layers}}))
+""")
+
+
+def test_a_costed_tree_kernel_is_saved_not_recomputed_under_a_memory_budget():
+    """Under an activation memory budget, torch's partitioner treats a custom op as free to recompute unless
+    ``is_non_builtin_to_include`` is set; then it weighs the op by its FLOP formula (kernels/tree_attention/
+    ops.py) and keeps the attention output: one forward launch per layer, not one more in the backward."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1", TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+    res = subprocess.run([sys.executable, "-c", BUDGET_SCRIPT.format(tests=tests)], capture_output=True, text=True,
+                         env=env, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-4000:]
+    free, costed = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert costed["forward_launches"] == costed["layers"], costed
+    assert free["forward_launches"] >= costed["forward_launches"], (free, costed)

@@ -636,3 +636,28 @@ def test_triton_custom_op_registration(interpreter_results):
 
 if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
     _interpreter_checks()
+
+
+@pytest.mark.parametrize("prefix", [0, 11])
+def test_kernel_ops_count_the_causal_bound_of_flops(prefix):
+    """torch's FLOP counter (and through it the activation-budget partitioner) sees the tree kernels' forward
+    and backward at 4 and 8 FLOPs per head dimension and causal-bound pair; on fake tensors, no kernel runs."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+    from treepack.kernels.tree_attention import triton as _registers_the_ops  # noqa: F401
+    from treepack.kernels.tree_attention.ops import causal_pairs_bound
+
+    T, H, K, D = 37, 4, 2, 16
+    with FakeTensorMode():
+        q, k = torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, K, D, dtype=torch.bfloat16)
+        pk = torch.empty(prefix, K, D, dtype=torch.bfloat16) if prefix else None
+        tables = [torch.empty(5, dtype=torch.int32) for _ in range(5)]
+        with FlopCounterMode(display=False) as fwd:
+            out, lse = torch.ops.treepack.tree_attention_fwd(q, k, k, pk, pk, *tables, 0.1, [64, 64, 4, 2])
+        with FlopCounterMode(display=False) as bwd:
+            torch.ops.treepack.tree_attention_bwd(out, q, k, k, pk, pk, out, lse, *tables, 0.1, [64, 64, 4, 2])
+    pairs = causal_pairs_bound(T, prefix)
+    assert pairs == sum(prefix + i + 1 for i in range(T))
+    assert fwd.get_total_flops() == 4 * H * D * pairs
+    assert bwd.get_total_flops() == 8 * H * D * pairs

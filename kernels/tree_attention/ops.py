@@ -6,6 +6,11 @@ on a plain `torch.library.Library` with Python kernels, not with ``torch.library
 dfs step (~800 attention calls) custom_op's per-call wrapper cost ~0.45 ms of host time a call, the largest
 single host cost of the step (benchmarks/results/2026-11-25-fa4-replay-h200.md). Same schema, fake kernels and
 autograd as custom_op would register; ``torch.library.opcheck`` passes on the Triton op (test_tree_attention).
+
+Each op also gets a FLOP formula (`torch.utils.flop_counter`), so that FLOP counters and torch's activation
+memory-budget partitioner see attention as the expensive op it is rather than as free to recompute. The
+formula only sees shapes, not the mask, so it counts the causal bound: every query sees the whole prefix
+and every earlier key of its call, which is at least as many pairs as any tree has.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["register_kernel_ops"]
+__all__ = ["causal_pairs_bound", "register_kernel_ops"]
 
 _LIB = torch.library.Library("treepack", "FRAGMENT")
 
@@ -36,4 +42,26 @@ def register_kernel_ops(name: str, tail: str, *, fwd: Callable, fwd_fake: Callab
         torch.library.register_fake(f"treepack::{op}", fake, lib=_LIB)
     torch.library.register_autograd(f"treepack::{name}_fwd", backward, setup_context=setup_context, lib=_LIB)
     packet = torch.ops.treepack
-    return getattr(packet, f"{name}_fwd").default, getattr(packet, f"{name}_bwd").default
+    fwd_op, bwd_op = getattr(packet, f"{name}_fwd"), getattr(packet, f"{name}_bwd")
+    register_flop_formula(fwd_op)(_fwd_flops)
+    register_flop_formula(bwd_op)(_bwd_flops)
+    return fwd_op.default, bwd_op.default
+
+
+def causal_pairs_bound(queries: int, prefix: int) -> int:
+    """Query-key pairs of ``queries`` tokens after a ``prefix`` if each saw the prefix and every earlier
+    token (itself included): the most a tree (or chain) of that many tokens can have."""
+    return queries * prefix + queries * (queries + 1) // 2
+
+
+def _fwd_flops(q_shape, k_shape, v_shape, prefix_k_shape, prefix_v_shape, *args, out_shape=None, **kwargs) -> int:
+    T, H, D = q_shape
+    return 4 * H * D * causal_pairs_bound(T, 0 if prefix_k_shape is None else prefix_k_shape[0])
+
+
+def _bwd_flops(grad_out_shape, q_shape, k_shape, v_shape, prefix_k_shape, prefix_v_shape, *args, out_shape=None,
+               **kwargs) -> int:
+    """Twice the forward's matmuls (dS and dP, then dQ, dK and dV): DESIGN §9's 12 FLOPs per pair, head and
+    dimension for forward and backward together."""
+    T, H, D = q_shape
+    return 8 * H * D * causal_pairs_bound(T, 0 if prefix_k_shape is None else prefix_k_shape[0])

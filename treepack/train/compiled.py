@@ -88,7 +88,10 @@ def activation_memory_budget(budget: float) -> contextlib.AbstractContextManager
     Why: a DFS call's graph is most of its memory (~10 GiB of 16.6 for an 8k-token Qwen3-0.6B call); at 0.7 a
     tau-bench step took 13.1 GiB instead of 16.6, 1.15x the time (H200, results/2026-11-21-dfs-matched-h200.md).
     The budget is read when a graph is compiled, the first call of each input signature; graphs already
-    compiled in the process keep the budget they were compiled under."""
+    compiled in the process keep the budget they were compiled under. Below 1 torch also recomputes the
+    tree-attention op's forward in backward (a custom op counts as free to recompute unless functorch's
+    ``is_non_builtin_to_include`` is set; then its FLOP formula weighs it): ~11% of a dfs step's kernel time
+    at 0.7 (results/2026-11-25-dfs-memory-h200.md)."""
     if budget >= 1.0:
         return contextlib.nullcontext()
     import torch._functorch.config as functorch_config
