@@ -65,6 +65,7 @@ from treepack.train.data import dense_batches, leaf_sequences, pack_rollouts
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import ModelArgs
 from treepack.train.modes.dfs import DfsMode, merge_work
+from treepack.train.modes.dfs_schedule import MERGE_ANCHOR_TOKENS
 
 QWEN3_0_6B = ModelArgs.for_family("qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                                   num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
@@ -132,9 +133,11 @@ def plan_only(args) -> str:
         whole = build_pack(r)
         rows = LossRows.from_pack(whole)
         for block, keep in args.dfs:
-            s = DfsMode(block_size=block, keep_tokens=keep, subtree_calls=not args.walk).schedule(whole, rows)
+            s = DfsMode(block_size=block, keep_tokens=keep, subtree_calls=not args.walk,
+                        merge_anchor_tokens=args.merge_anchors).schedule(whole, rows)
             share = s.anchor_tokens / (s.anchor_tokens + s.grad_tokens)
             calls = "/".join(str(s.count(k)) for k in ("anchor", "keep", "grad", "release"))
+            calls += f" ({sum(1 for st in s.steps if st.n_anchor)} anchors merged)"
             lines.append(
                 f"| {name} | {whole.n_real:,} | {int(whole.seq_offsets[-1]):,} | {s.n_leaves} | {s.max_depth:,} "
                 f"| {block or 'unlimited'} | {keep} | {s.n_pruned:,} | {s.anchor_tokens:,} | {share:.1%} | {calls} "
@@ -282,7 +285,7 @@ def run_gpu(args) -> None:
          f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), random init, "
          f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
          f"token-mean; attention {args.attention} (FA4 launch replay {args.fa4_replay}, backward query blocks of "
-         f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
+         f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; dfs anchors merged up to {args.merge_anchors} tokens; pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
          f"dense micro-batches <= "
          f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
         f"Command: `{command_line(__file__, sys.argv[1:])}` (model init {init_s:.0f} s).",
@@ -327,6 +330,7 @@ def run_gpu(args) -> None:
                 mode = make_mode(mode_name.removesuffix("-leaf"), attention=None if mode_name.startswith("dense") else args.attention,
                                  dfs_block_size=block if mode_name == "dfs" else None, dfs_keep_tokens=keep,
                                  chunk_rows=args.logits_chunk, dfs_subtree_calls=not args.walk,
+                                 dfs_merge_anchor_tokens=args.merge_anchors,
                                  micro_batch_tokens=args.dense_tokens if mode_name.startswith("dense") else None)
                 packs = groups[label if mode_name == "tree" else mode_name]
                 results[label] = measure(model, packs, mode, objective, args.repeats, args.profile, args.gc,
@@ -410,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dfs", default="2048,8192,2048:8192", type=_dfs_variants,
                     help="dfs variants BLOCK[:KEEP] (dfs_block_size, 0 = unlimited; dfs_keep_tokens, default 0)")
     ap.add_argument("--walk", action="store_true", help="dfs leaf by leaf (AReaL-DTA), no subtree calls")
+    ap.add_argument("--merge-anchors", type=int, default=MERGE_ANCHOR_TOKENS,
+                    help="dfs: anchors of at most this many tokens ride along in the grad call before them (0: off)")
     ap.add_argument("--capacity", default=[32768], type=lambda s: [int(c) for c in s.split(",")],
                     help="tree mode: pack capacities in tree tokens (comma-separated: one tree run each)")
     ap.add_argument("--dense-tokens", type=int, default=16384, help="dense modes: flat tokens per micro-batch")

@@ -114,7 +114,7 @@ def check_schedule(parent_T, sched, block, keep):
     done: dict[int, int] = {}  # token -> step that forwarded it with grad
     kept_open: dict[int, list[int]] = {}
     live = peak = 0
-    if 0 < len(parent) <= (block or 10**9) and any(st.is_tree for st in sched.steps):  # whole tree: one call
+    if 0 < len(parent) <= (block or 10**9) and any(st.is_tree and not st.n_anchor for st in sched.steps):  # one call
         (step,) = sched.steps
         assert step.kind == "grad" and step.lo == 0 and not step.kv_grad
         assert step.tokens_C.tolist() == list(range(len(parent)))
@@ -124,13 +124,15 @@ def check_schedule(parent_T, sched, block, keep):
         return
     for k, step in enumerate(sched.steps):
         toks = step.tokens_C.tolist()
+        own, riding = toks[: step.n_own], toks[step.n_own :]  # riding: a merged anchor, after the call's own
+        assert step.n_anchor == 0 or (step.kind == "grad" and step.is_tree)
         path = ancestors(parent, toks[0])
         assert len(path) - 1 == step.lo  # the segment starts at depth lo ...
-        head = toks[: step.path_rows]  # path rows [lo, lo + path_rows): a chain ...
+        head = own[: step.path_rows]  # path rows [lo, lo + path_rows): a chain ...
         assert all(parent[b] == a for a, b in itertools.pairwise(head))
         if step.is_tree:  # ... then whole subtrees below it, with the call's own mask
             assert step.kind == "grad" and step.n <= (block or 10**9)
-            below = toks[step.path_rows :]
+            below = own[step.path_rows :]
             top = head[-1] if head else parent[toks[0]]
             assert all(parent[t] in head or parent[t] in below or parent[t] == top for t in below)
             local = {t: i for i, t in enumerate(toks)}
@@ -140,6 +142,10 @@ def check_schedule(parent_T, sched, block, keep):
                 assert all(u in local for u in range(t, len(parent)) if t in ancestors(parent, u))
         else:
             assert step.path_rows == step.n
+        if riding:  # a chain at depth lo beside the call's own tokens: same cached ancestors, none of its own
+            assert ancestors(parent, riding[0])[:-1] == path[:-1]
+            assert all(parent[b] == a for a, b in itertools.pairwise(riding))
+            assert not set(riding) & set(own)
         for d in range(step.lo):  # it reads exactly its ancestors' rows
             assert cache.get(d) == path[d], (k, d)
             readers[path[d]] = k
@@ -148,7 +154,7 @@ def check_schedule(parent_T, sched, block, keep):
                 cache[d] = t
         if step.kind in ("grad", "keep"):
             assert step.n <= (block or 10**9)
-            for t in toks:
+            for t in own:
                 assert t not in done, "forwarded with grad twice"
                 done[t] = k
         if step.kind == "keep":
@@ -160,10 +166,12 @@ def check_schedule(parent_T, sched, block, keep):
             assert kept_open.pop(step.lo) == toks
             live -= step.n
         if step.kind in ("grad", "release"):
-            for i, t in enumerate(toks):  # popped after every reader of its row; rows nobody read need no dK/dV
+            for i, t in enumerate(own):  # popped after every reader of its row; rows nobody read need no dK/dV
                 assert readers.get(t, -1) < k
                 if not step.kv_grad or i >= step.path_rows:
                     assert t not in readers
+        for d, t in enumerate(riding, step.lo):  # cached after the call, for the calls below it
+            cache[d] = t
         peak = max(peak, live)
     assert not kept_open and live == 0
     assert sorted(done) == list(range(len(parent)))  # every token exactly once
@@ -174,12 +182,21 @@ def check_schedule(parent_T, sched, block, keep):
 @pytest.mark.parametrize("subtree_calls", [True, False])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seqs=sequence_lists(max_seqs=10, max_len=14, vocab=3), block=st.sampled_from([0, 1, 2, 3, 7]),
-       keep=st.sampled_from([0, 2, 5, 1000]), order=st.sampled_from(["backward", "layout"]))
-def test_schedule_replays_exactly(seqs, block, keep, order, subtree_calls):
+       keep=st.sampled_from([0, 2, 5, 1000]), order=st.sampled_from(["backward", "layout"]),
+       merge=st.sampled_from([0, 2, 1000]))
+def test_schedule_replays_exactly(seqs, block, keep, order, subtree_calls, merge):
     pack = build_pack(rollouts_from(seqs))
     parent_T = np.asarray(pack.parent[: pack.n_real], dtype=np.int64)
-    sched = plan(parent_T, block_size=block, keep_tokens=keep, order=order, subtree_calls=subtree_calls)
+    sched = plan(parent_T, block_size=block, keep_tokens=keep, order=order, subtree_calls=subtree_calls,
+                 merge_anchor_tokens=merge)
     check_schedule(parent_T, sched, block, keep)
+    unmerged = plan(parent_T, block_size=block, keep_tokens=keep, order=order, subtree_calls=subtree_calls,
+                    merge_anchor_tokens=0)
+    merged = [st for st in sched.steps if st.n_anchor]
+    assert all(st.n_anchor <= merge for st in merged)
+    # each merge removes exactly one call and moves no token: the same anchors, riding instead of alone
+    assert len(sched.steps) + len(merged) == len(unmerged.steps)
+    assert sched.anchor_tokens == unmerged.anchor_tokens and sched.grad_tokens == unmerged.grad_tokens
     assert sched.max_depth == int(pack.position_ids.max()) + 1
     assert sched.n_leaves == int(np.sum(np.bincount(parent_T[parent_T >= 0], minlength=pack.n_real) == 0))
 
@@ -271,6 +288,33 @@ def test_dfs_equals_dense(model, seed, kind, size):
         w = out.metrics
         assert w["grad_tokens"] + w["pruned_tokens"] == pack.n_real == w["backward_tokens"] + w["pruned_tokens"]
         assert w["peak_graph_tokens"] <= (cfg["dfs_block_size"] or pack.n_real) + cfg.get("dfs_keep_tokens", 0)
+
+
+# (seed, block): random_sequences(seed, n=8, grow=12) whose schedule merges anchors into grad calls
+MERGING = [(2, 6), (7, 6), (10, 10), (14, 16), (30, 10)]
+
+
+@pytest.mark.parametrize(("seed", "block"), MERGING)
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_dfs_equals_dense_with_anchors_merged_into_grad_calls(model, seed, block, kind):
+    """An anchor riding along in a grad call (`dfs_schedule._merge_anchor`) changes no loss and no gradient,
+    saves one model call per merge and counts its tokens as anchored."""
+    pack = make_pack(random_sequences(seed, n=8, grow=12), seed)
+    rows = LossRows.from_pack(pack)
+    merged = DfsMode(block_size=block).schedule(pack, rows)
+    alone = DfsMode(block_size=block, merge_anchor_tokens=0).schedule(pack, rows)
+    n_merged = sum(1 for st in merged.steps if st.n_anchor)
+    assert n_merged > 0 and len(merged.steps) == len(alone.steps) - n_merged
+    objective = Objective(kind=kind, normalization="sequence" if seed % 2 else "token", clip_low=0.1, clip_high=0.1)
+    ref = run(model, pack, "dense", objective)
+    for merge in (0, 10**6):
+        out, grads = run(model, pack, "dfs", objective, dfs_block_size=block, dfs_merge_anchor_tokens=merge)
+        assert_same(out, grads, *ref)
+        w = out.metrics
+        assert w["model_calls"] == len((merged if merge else alone).steps) - (merged if merge else alone).count("release")
+        assert w["anchor_tokens"] == alone.anchor_tokens
+        assert w["grad_tokens"] + w["pruned_tokens"] == pack.n_real == w["backward_tokens"] + w["pruned_tokens"]
+        assert w["peak_graph_tokens"] <= block
 
 
 def test_dfs_equals_dense_with_behaviour_logprobs_and_kl(model):
@@ -408,6 +452,10 @@ def test_config_accepts_dfs_and_checks_its_keys():
     assert (cfg.train.mode, cfg.train.dfs_block_size, cfg.train.dfs_keep_tokens) == ("dfs", 0, 4096)
     assert cfg.train.dfs_subtree_calls and not parse_config(base + "dfs_subtree_calls = false\n").train.dfs_subtree_calls
     assert not make_mode("dfs", dfs_subtree_calls=False).subtree_calls
+    assert parse_config(base + "dfs_merge_anchor_tokens = 0\n").train.dfs_merge_anchor_tokens == 0
+    assert make_mode("dfs", dfs_merge_anchor_tokens=0).merge_anchor_tokens == 0
+    with pytest.raises(ConfigError, match="train.dfs_merge_anchor_tokens must be >= 0"):
+        parse_config(base + "dfs_merge_anchor_tokens = -1\n")
     with pytest.raises(ConfigError, match="train.dfs_block_size must be >= 0"):
         parse_config(base + "dfs_block_size = -1\n")
     with pytest.raises(ConfigError, match="train.dfs_order must be one of backward, layout"):

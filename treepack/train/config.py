@@ -21,6 +21,7 @@ from pathlib import Path
 from treepack.errors import ConfigError, TreepackError
 from treepack.pack.layout import CHILD_ORDERS
 from treepack.sizes import parse_size
+from treepack.train.modes.dfs_schedule import MERGE_ANCHOR_TOKENS
 
 try:
     import tomllib
@@ -168,6 +169,7 @@ class TrainConfig:
     dfs_keep_tokens: int = 0  # dfs: shared segments kept with their graph instead of re-forwarded (tokens; 0 = off)
     dfs_order: str = "backward"  # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout (the pack's)
     dfs_subtree_calls: bool = True  # dfs: pop subtrees that fit a block in one tree call (false: leaf by leaf)
+    dfs_merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS  # dfs: an anchor up to this size rides in the call before it
     # dense, dense-leaf, auto: most tokens forwarded at once, micro-batches back-propagated one by one ("" = each
     # pack's own size, the memory of the tree step of the same pack; e.g. "32k")
     micro_batch_tokens: str = ""
@@ -187,6 +189,7 @@ class TrainConfig:
                 raise ConfigError(str(exc)) from None
         _positive("train.dfs_block_size", self.dfs_block_size, zero_ok=True)
         _positive("train.dfs_keep_tokens", self.dfs_keep_tokens, zero_ok=True)
+        _positive("train.dfs_merge_anchor_tokens", self.dfs_merge_anchor_tokens, zero_ok=True)
         _one_of("train.dfs_order", self.dfs_order, DFS_ORDERS)
         _positive("train.steps", self.steps)
         _positive("train.lr", self.lr)
@@ -414,6 +417,7 @@ dfs_block_size = 2048       # dfs: most tokens forwarded with grad at once (0 = 
 dfs_keep_tokens = 0         # dfs: shared segments kept with their graph instead of re-forwarded (0 = off)
 dfs_order = "backward"      # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout
 dfs_subtree_calls = true    # dfs: a subtree that fits a block is one tree call (false: AReaL-DTA, leaf by leaf)
+dfs_merge_anchor_tokens = 512  # dfs: an anchor of up to this many tokens rides in the grad call before it (0 = off)
 micro_batch_tokens = ""     # dense, dense-leaf, auto: most tokens per micro-batch ("" = each pack's size; "32k")
 speed_table = ""            # auto: JSON from benchmarks/speed_table.py ("" = built in for the GPU)
 

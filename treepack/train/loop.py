@@ -197,7 +197,8 @@ def build_mode(cfg: RunConfig) -> Mode:
                      micro_batch_tokens=cfg.train.micro_batch_token_count,
                      speed_table=SpeedTable.load(cfg.train.speed_table) if cfg.train.speed_table else None,
                      **({"dfs_block_size": cfg.train.dfs_block_size, "dfs_keep_tokens": cfg.train.dfs_keep_tokens,
-                         "dfs_order": cfg.train.dfs_order, "dfs_subtree_calls": cfg.train.dfs_subtree_calls}
+                         "dfs_order": cfg.train.dfs_order, "dfs_subtree_calls": cfg.train.dfs_subtree_calls,
+                         "dfs_merge_anchor_tokens": cfg.train.dfs_merge_anchor_tokens}
                         if cfg.train.mode == "dfs" else {}))
 
 

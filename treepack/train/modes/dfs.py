@@ -33,7 +33,9 @@ Prefer the largest block the memory allows: a smaller one anchors each leaf's ta
 adds calls (B=6144: 19 calls, 1.88 s; B=4096: 28 calls, 27% of the tokens anchored, 2.53 s;
 2026-11-25-dfs-host-bound-h200.md); where memory is short, ``train.activation_memory_budget`` below 1 lets
 the compiled layers recompute instead of saving, which costs less than a smaller block; a larger block at
-a lower budget makes fewer calls (B=16384 at 0.4: 6 calls) but needed 17.27 GiB.
+a lower budget makes fewer calls (B=16384 at 0.4: 6 calls) but needed 17.27 GiB. Those timings predate
+anchor merging (``merge_anchor_tokens``), which takes the same step to 10 calls: its 8-token anchor now
+rides along in the grad call before it.
 
 Legend: T pack tokens, C tokens of a step, X targets of a step, U target tokens of the pack, R loss
 rows, L layers, P cached path rows, K kv heads, E head dim, D hidden size.
@@ -52,6 +54,7 @@ from treepack.train.losses import BatchTotals, LossRows, Objective, target_logpr
 from treepack.train.model import Decoder
 from treepack.train.modes.base import LayoutError, Mode, ModeResult, row_dtype
 from treepack.train.modes.dfs_schedule import (
+    MERGE_ANCHOR_TOKENS,
     ORDERS,
     Schedule,
     Step,
@@ -164,8 +167,9 @@ class _Targets:
         local_T = np.zeros(n_real, dtype=np.int64)
         for k, step in enumerate(schedule.steps):
             if step.kind in ("grad", "keep"):
-                step_T[step.tokens_C] = k
-                local_T[step.tokens_C] = np.arange(step.n)
+                own_C = step.tokens_C[: step.n_own]  # a merged anchor's tokens get their loss later
+                step_T[own_C] = k
+                local_T[own_C] = np.arange(step.n_own)
         step_U = step_T[self.parent_U]
         self.local_U = local_T[self.parent_U]
         self.u_of_step = _group(step_U)
@@ -199,7 +203,7 @@ class DfsMode(Mode):
 
     def __init__(self, attention: str = "auto", *, chunk_rows: int = 4096, block_size: int | None = 2048,
                  keep_tokens: int = 0, order: str = "backward", sft_fast_path: bool = True,
-                 subtree_calls: bool = True) -> None:
+                 subtree_calls: bool = True, merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS) -> None:
         if attention == "sdpa":
             raise ConfigError("attention 'sdpa' runs independent causal sequences; dfs mode needs a tree kernel "
                               "(auto, reference, flex or triton) for its cached prefix")
@@ -207,6 +211,8 @@ class DfsMode(Mode):
             raise ConfigError(f"dfs block size must be >= 0 (0: unlimited), got {block_size}")
         if keep_tokens < 0:
             raise ConfigError(f"dfs keep tokens must be >= 0, got {keep_tokens}")
+        if merge_anchor_tokens < 0:
+            raise ConfigError(f"dfs merge anchor tokens must be >= 0, got {merge_anchor_tokens}")
         if order not in ORDERS:
             raise ConfigError(f"dfs order must be one of {', '.join(ORDERS)}, got {order!r}")
         super().__init__(attention, chunk_rows=chunk_rows)
@@ -215,6 +221,7 @@ class DfsMode(Mode):
         self.order = order
         self.sft_fast_path = sft_fast_path
         self.subtree_calls = subtree_calls
+        self.merge_anchor_tokens = merge_anchor_tokens
 
     def schedule(self, pack: Pack, rows: LossRows | None = None) -> Schedule:
         """The traversal of ``pack`` (numpy only; no model needed). With ``rows``, subtrees whose tokens no
@@ -222,7 +229,8 @@ class DfsMode(Mode):
         needed_T = None if rows is None else needed_tokens(pack, rows)
         try:
             return plan(np.asarray(pack.parent[: pack.n_real]), needed_T=needed_T, block_size=self.block_size,
-                        keep_tokens=self.keep_tokens, order=self.order, subtree_calls=self.subtree_calls)
+                        keep_tokens=self.keep_tokens, order=self.order, subtree_calls=self.subtree_calls,
+                        merge_anchor_tokens=self.merge_anchor_tokens)
         except ValueError as exc:
             raise LayoutError(f"dfs: {exc}") from None
 
@@ -324,8 +332,11 @@ class _Traversal:
         self.peak_live = max(self.peak_live, self.live)
 
     def _grad(self, k: int, step: Step) -> None:
-        out = self._forward(k, step, grad=True, return_kv=step.kv_grad)
-        self.work["grad_tokens"] += step.n
+        out = self._forward(k, step, grad=True, return_kv=step.kv_grad or step.n_anchor > 0)
+        if step.n_anchor:  # a merged anchor: its rows [lo, lo + n_anchor) are read by the calls after this one
+            self._cache_for(out.kv).write(step.lo, [(k_[step.n_own :], v_[step.n_own :]) for k_, v_ in out.kv])
+            self.work["anchor_tokens"] += step.n_anchor
+        self.work["grad_tokens"] += step.n_own
         self.peak_live = max(self.peak_live, self.live + step.n)
         self._backward(step, self._step_loss(k, out.hidden_TD), out.kv)
 
@@ -399,7 +410,7 @@ class _Traversal:
         if outs:
             with torch.autocast(self.dev.type, enabled=False):
                 torch.autograd.backward(outs, grads)
-            self.work["backward_tokens"] += step.n
+            self.work["backward_tokens"] += step.n_own
         if step.kv_grad:
             self.cache.clear(step.lo, step.lo + step.path_rows)
 

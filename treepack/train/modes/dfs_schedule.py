@@ -25,13 +25,16 @@ Every real token is forwarded with grad exactly once (in the pop that finishes i
 is N_tree tokens forward and backward plus the anchors, and no graph is ever re-entered. Anchors are the
 overhead: walking leaf by leaf with ``keep_tokens = 0`` they are the tokens of shared nodes plus each
 leaf's own tail beyond one block, independent of the leaf order; the order (Algorithm 1: internal
-children first, longest tail first) only merges anchors and pops into fewer calls. Anchor share (anchor /
-all forwarded tokens) and model calls of `benchmarks/dfs.py`'s workloads (``--plan-only``):
+children first, longest tail first) only merges anchors and pops into fewer calls. A small anchor that
+follows a grad call at its own depth rides along in that call (``merge_anchor_tokens``, `_merge_anchor`):
+one call fewer, the anchor's backward (of zero gradients) in exchange. Anchor share (anchor / all
+forwarded tokens) and model calls of `benchmarks/dfs.py`'s workloads (``--plan-only``; calls without
+merging in brackets):
 
-    workload (N_tree, leaves, longest path)          B=2048        B=8192       B=2048 keep=8192
-    tau-bench retail, 144 records (58k, 10, 9.4k)    41%, 42       2.1%, 11     40%, 47
-    synth tau2, 2 tasks (79k, 16, 8.6k)              37%, 62       1.6%, 15     36%, 64
-    synth tau2 --think, 1 task (46k, 48, 7.4k)       24%, 51       8.7%, 23     0.5%, 86
+    workload (N_tree, leaves, longest path)          B=2048         B=8192          B=2048 keep=8192
+    tau-bench retail, 144 records (58k, 10, 9.4k)    41%, 42        2.1%, 10 (11)   40%, 47
+    synth tau2, 2 tasks (79k, 16, 8.6k)              37%, 62        1.6%, 14 (15)   36%, 64
+    synth tau2 --think, 1 task (46k, 48, 7.4k)       24%, 49 (51)   8.7%, 22 (23)   0.5%, 86
 
 Chains with long private tails (tau-bench: one trajectory per task) pay for a small block; combs of short
 leaves on a long shared trunk (dropped reasoning) pay for anchoring the trunk unless it is kept.
@@ -64,6 +67,8 @@ class Step:
     subtree_end_C: np.ndarray | None = None  # a tree call: its local subtree ends (None: a chain)
     n_path: int | None = None  # tree call: its first n_path tokens are path rows [lo, lo + n_path), the rest
     # whole subtrees below them (None: all tokens are path rows)
+    n_anchor: int = 0  # grad call: its last n_anchor tokens are an anchor riding along (`_merge_anchor`): a chain
+    # at depths [lo, lo + n_anchor) of the next path, no loss, its K/V cached after the call
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:
@@ -85,6 +90,11 @@ class Step:
     def path_rows(self) -> int:
         """Tokens of the step that are rows of the current path (the ones a K/V cache row may hold)."""
         return self.n if self.n_path is None else self.n_path
+
+    @property
+    def n_own(self) -> int:
+        """Tokens the step forwards for itself (all but a merged anchor's)."""
+        return self.n - self.n_anchor
 
 
 STEP_KINDS = {
@@ -110,20 +120,26 @@ class Schedule:
     peak_graph_tokens: int  # most tokens whose graph is alive at once (kept + the current call)
 
     def tokens_of(self, *kinds: str) -> int:
-        return sum(s.n for s in self.steps if s.kind in kinds)
+        """Tokens the steps of these kinds forward for themselves (merged anchors not included)."""
+        return sum(s.n_own for s in self.steps if s.kind in kinds)
 
     def count(self, *kinds: str) -> int:
         return sum(1 for s in self.steps if s.kind in kinds)
 
     @property
     def grad_tokens(self) -> int:
-        """Tokens forwarded with grad (= n_tokens: each exactly once)."""
+        """Tokens forwarded with grad and a loss (= n_tokens: each exactly once)."""
         return self.tokens_of("grad", "keep")
 
     @property
     def anchor_tokens(self) -> int:
-        """Tokens forwarded without grad: the re-forward overhead."""
-        return self.tokens_of("anchor")
+        """Tokens forwarded for their K/V only, in anchor calls or merged into grad calls: the re-forward
+        overhead."""
+        return self.tokens_of("anchor") + self.merged_anchor_tokens
+
+    @property
+    def merged_anchor_tokens(self) -> int:
+        return sum(s.n_anchor for s in self.steps)
 
 
 @dataclass
@@ -213,6 +229,30 @@ def leaf_order(nodes: _Nodes, order: str = "backward") -> list[int]:
     return leaves
 
 
+# A no-grad model call costs host time whatever its size: ~600 launches for a 28-layer model, ~30 ms where
+# the host sets the pace (dfs on an H200: ~97 ms per fwd+bwd call, the host queueing 97% of the step). Riding
+# along in a grad call instead costs the anchor's backward (zero gradients, but the same FLOPs): ~11 us a token
+# for Qwen3-0.6B on an H200, so ~2,800 tokens break even when host-bound and ~250 when GPU-bound.
+MERGE_ANCHOR_TOKENS = 512
+
+
+def _merge_anchor(prev: Step, anchor: Step, limit: int, most: int) -> Step | None:
+    """``prev`` with ``anchor``'s tokens appended as a separate chain, or None where that is not exact or not
+    worth it. Exact when ``prev`` is a grad call at the anchor's depth: it reads the same cached rows
+    [0, lo) the anchor would (nothing writes the cache between the two), its mask keeps the two apart (no
+    token of ``prev`` lies below the anchor's, nor the reverse), no loss row reads the anchor's hidden
+    states (they are attached to the later call that forwards those tokens with grad), so their gradient
+    is exactly zero, and their K/V are cached detached, as an anchor's are."""
+    if (prev.kind != "grad" or prev.n_anchor or prev.lo != anchor.lo or anchor.n > most
+            or prev.n + anchor.n > limit):
+        return None
+    n = prev.n + anchor.n
+    ends = prev.subtree_end_C if prev.is_tree else np.full(prev.n, prev.n, dtype=np.int64)
+    return Step("grad", prev.lo, np.concatenate([prev.tokens_C, anchor.tokens_C]), kv_grad=prev.kv_grad,
+                subtree_end_C=np.concatenate([ends, np.full(anchor.n, n, dtype=np.int64)]),
+                n_path=prev.path_rows, n_anchor=anchor.n)
+
+
 def _chunks_right_to_left(lo: int, hi: int, block: int) -> list[tuple[int, int]]:
     """[lo, hi) cut into ceil(len / block) near-equal pieces, rightmost first."""
     if hi <= lo:
@@ -270,26 +310,28 @@ def live_tokens(parent_T: np.ndarray, needed_T: np.ndarray) -> np.ndarray:
 
 
 def plan(parent_T: np.ndarray, *, needed_T: np.ndarray | None = None, block_size: int | None = 2048,
-         keep_tokens: int = 0, order: str = "backward", subtree_calls: bool = True) -> Schedule:
+         keep_tokens: int = 0, order: str = "backward", subtree_calls: bool = True,
+         merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS) -> Schedule:
     """The traversal of the tokens with parents ``parent_T`` (see `_plan`); with ``needed_T`` (bool [T]:
     tokens whose hidden state a loss term reads) only over the `live_tokens`, e.g. never a leaf's last token."""
     parent_T = np.asarray(parent_T, dtype=np.int64)
+    options = {"block_size": block_size, "keep_tokens": keep_tokens, "order": order,
+               "subtree_calls": subtree_calls, "merge_anchor_tokens": merge_anchor_tokens}
     if needed_T is None:
-        return _plan(parent_T, block_size=block_size, keep_tokens=keep_tokens, order=order,
-                     subtree_calls=subtree_calls)
+        return _plan(parent_T, **options)
     live_T = live_tokens(parent_T, np.asarray(needed_T, dtype=bool))
     index_L = np.flatnonzero(live_T)
     compact_T = np.cumsum(live_T) - 1
     parent_L = parent_T[index_L]
     parent_L = np.where(parent_L >= 0, compact_T[np.maximum(parent_L, 0)], -1)  # a live token's parent is live
-    sched = _plan(parent_L, block_size=block_size, keep_tokens=keep_tokens, order=order, subtree_calls=subtree_calls)
+    sched = _plan(parent_L, **options)
     sched.steps = [dataclasses.replace(st, tokens_C=index_L[st.tokens_C]) for st in sched.steps]
     sched.n_pruned = int(parent_T.shape[0] - index_L.shape[0])
     return sched
 
 
 def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, order: str,
-          subtree_calls: bool = True) -> Schedule:
+          subtree_calls: bool = True, merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS) -> Schedule:
     """The traversal of a pack whose real tokens have parents ``parent_T`` (see the module doc).
 
     Per leaf of the order, with ``lp`` / ``ln`` its longest common prefix (tokens) with the previous / next
@@ -309,6 +351,9 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
     consecutive such siblings share a call while they fit together: a GRPO group's samples, or the last
     turns of a conversation, cost one call instead of one per leaf. The whole pack is one call if it
     fits. Off: AReaL-DTA's walk, leaf by leaf.
+
+    An anchor of at most ``merge_anchor_tokens`` tokens rides along in the grad call just before it when
+    that call starts at the same depth and both fit one block (`_merge_anchor`): one model call fewer.
     """
     parent_T = np.asarray(parent_T, dtype=np.int64)
     block = int(block_size) if block_size else 0
@@ -399,7 +444,13 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
         else:
             s = n - min(limit, max(n - fresh, -(-pop // -(-pop // limit))))
         if s > anchored_from:
-            steps.append(Step("anchor", anchored_from, tokens(path, anchored_from, s), kv_grad=False))
+            anchor = Step("anchor", anchored_from, tokens(path, anchored_from, s), kv_grad=False)
+            merged = _merge_anchor(steps[-1], anchor, limit, merge_anchor_tokens) if steps else None
+            if merged is None:
+                steps.append(anchor)
+            else:
+                steps[-1] = merged
+                peak = max(peak, kept_alive + merged.n)
         cached = max(lp, s)  # rows [0, cached) hold K/V now (s >= ln when ln > lp)
         if groups[i]:  # one call: path tokens [s, n) (every later token of the call is below them), subtrees
             ranges = [(start[v], start[v] + size[v]) for v in groups[i]]
