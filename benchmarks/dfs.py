@@ -125,7 +125,7 @@ def kv_bytes_per_token(m: ModelArgs, bytes_per_value: int = 2) -> int:
 
 def plan_only(args) -> str:
     lines = [("| workload | N_tree | N_flat | leaves | longest path | block | keep | pruned | anchor tokens "
-              "| anchor share | calls (anchor/keep/grad/release) | peak graph tokens | path K/V + grads (0.6B) |"),
+              "| anchor share | calls (anchor/keep/grad/release, anchors merged) | peak graph tokens | path K/V + grads (0.6B) |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     per_token = kv_bytes_per_token(QWEN3_0_6B)
     for name in args.workloads:
@@ -137,7 +137,7 @@ def plan_only(args) -> str:
                         merge_anchor_tokens=args.merge_anchors).schedule(whole, rows)
             share = s.anchor_tokens / (s.anchor_tokens + s.grad_tokens)
             calls = "/".join(str(s.count(k)) for k in ("anchor", "keep", "grad", "release"))
-            calls += f" ({sum(1 for st in s.steps if st.n_anchor)} anchors merged)"
+            calls += f", {sum(1 for st in s.steps if st.n_anchor)} merged"
             lines.append(
                 f"| {name} | {whole.n_real:,} | {int(whole.seq_offsets[-1]):,} | {s.n_leaves} | {s.max_depth:,} "
                 f"| {block or 'unlimited'} | {keep} | {s.n_pruned:,} | {s.anchor_tokens:,} | {share:.1%} | {calls} "
