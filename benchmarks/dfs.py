@@ -37,6 +37,7 @@ Usage (with treepack installed, ``pip install -e .``):
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -132,9 +133,9 @@ def plan_only(args) -> str:
         r = workload(name, args)
         whole = build_pack(r)
         rows = LossRows.from_pack(whole)
-        for block, keep in args.dfs:
+        for (block, keep), merge in itertools.product(args.dfs, args.merge_anchors):
             s = DfsMode(block_size=block, keep_tokens=keep, subtree_calls=not args.walk,
-                        merge_anchor_tokens=args.merge_anchors).schedule(whole, rows)
+                        merge_anchor_tokens=merge).schedule(whole, rows)
             share = s.anchor_tokens / (s.anchor_tokens + s.grad_tokens)
             calls = "/".join(str(s.count(k)) for k in ("anchor", "keep", "grad", "release"))
             calls += f", {sum(1 for st in s.steps if st.n_anchor)} merged"
@@ -285,7 +286,7 @@ def run_gpu(args) -> None:
          f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), random init, "
          f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
          f"token-mean; attention {args.attention} (FA4 launch replay {args.fa4_replay}, backward query blocks of "
-         f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; dfs anchors merged up to {args.merge_anchors} tokens; pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
+         f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; dfs anchors merged up to {' or '.join(map(str, args.merge_anchors))} tokens; pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
          f"dense micro-batches <= "
          f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
         f"Command: `{command_line(__file__, sys.argv[1:])}` (model init {init_s:.0f} s).",
@@ -319,18 +320,20 @@ def run_gpu(args) -> None:
             if mode_name == "dense" and n_flat > args.dense_max_flat:
                 results[mode_name] = {"skipped": f"N_flat {n_flat:,} > --dense-max-flat"}
                 continue
-            variants = args.dfs if mode_name == "dfs" else [(None, 0)]
+            variants = [(b, k, m) for (b, k), m in itertools.product(args.dfs, args.merge_anchors)] \
+                if mode_name == "dfs" else [(None, 0, 0)]
             if mode_name == "tree":
-                variants = [(c, 0) for c in args.capacity]
-            for block, keep in variants:
+                variants = [(c, 0, 0) for c in args.capacity]
+            for block, keep, merge in variants:
                 if mode_name == "dfs":
-                    label = f"dfs B={block or 'inf'}" + (f" keep={keep}" if keep else "")
+                    label = (f"dfs B={block or 'inf'}" + (f" keep={keep}" if keep else "")
+                             + (f" merge={merge}" if len(args.merge_anchors) > 1 else ""))
                 else:
                     label = f"tree C={block}" if mode_name == "tree" else mode_name
                 mode = make_mode(mode_name.removesuffix("-leaf"), attention=None if mode_name.startswith("dense") else args.attention,
                                  dfs_block_size=block if mode_name == "dfs" else None, dfs_keep_tokens=keep,
                                  chunk_rows=args.logits_chunk, dfs_subtree_calls=not args.walk,
-                                 dfs_merge_anchor_tokens=args.merge_anchors,
+                                 dfs_merge_anchor_tokens=merge,
                                  micro_batch_tokens=args.dense_tokens if mode_name.startswith("dense") else None)
                 packs = groups[label if mode_name == "tree" else mode_name]
                 results[label] = measure(model, packs, mode, objective, args.repeats, args.profile, args.gc,
@@ -414,8 +417,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dfs", default="2048,8192,2048:8192", type=_dfs_variants,
                     help="dfs variants BLOCK[:KEEP] (dfs_block_size, 0 = unlimited; dfs_keep_tokens, default 0)")
     ap.add_argument("--walk", action="store_true", help="dfs leaf by leaf (AReaL-DTA), no subtree calls")
-    ap.add_argument("--merge-anchors", type=int, default=MERGE_ANCHOR_TOKENS,
-                    help="dfs: anchors of at most this many tokens ride along in the grad call before them (0: off)")
+    ap.add_argument("--merge-anchors", type=lambda s: [int(m) for m in s.split(",")], default=[MERGE_ANCHOR_TOKENS],
+                    help="dfs: anchors of at most this many tokens ride along in the grad call before them (0: off); "
+                         "several (0,512): one dfs run each, in one process")
     ap.add_argument("--capacity", default=[32768], type=lambda s: [int(c) for c in s.split(",")],
                     help="tree mode: pack capacities in tree tokens (comma-separated: one tree run each)")
     ap.add_argument("--dense-tokens", type=int, default=16384, help="dense modes: flat tokens per micro-batch")
