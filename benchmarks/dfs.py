@@ -328,6 +328,7 @@ def run_gpu(args) -> None:
                 if mode_name == "dfs":
                     label = (f"dfs B={block or 'inf'}" + (f" keep={keep}" if keep else "")
                              + (f" merge={merge}" if len(args.merge_anchors) > 1 else ""))
+                    label += f" #{sum(1 for k in results if k.startswith(label)) + 1}" if label in results else ""
                 else:
                     label = f"tree C={block}" if mode_name == "tree" else mode_name
                 mode = make_mode(mode_name.removesuffix("-leaf"), attention=None if mode_name.startswith("dense") else args.attention,
