@@ -7,6 +7,7 @@ typer's (exit 2). Commands never print tracebacks for bad input.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable, Collection
 from typing import TypeVar
@@ -14,12 +15,21 @@ from typing import TypeVar
 import typer
 from rich.console import Console
 
-from treepack.errors import TreepackError
+from treepack.errors import InputError, TreepackError
 
 F = TypeVar("F", bound=Callable)
 
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+class _Console(Console):
+    """rich's Console, but a closed pipe (``treepack stats ... | head``) is no error: rich exits 1 itself."""
+
+    def on_broken_pipe(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as rich does: no error at exit either
+        raise BrokenPipeError  # handle_errors ends the command with exit 0
+
+
+console = _Console(highlight=False, soft_wrap=True)
+err_console = _Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
@@ -43,6 +53,14 @@ def handle_errors(fn: F) -> F:
             raise typer.Exit(0) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def nothing_read(files: list[str], what: str, r) -> InputError:
+    """The error when the input gave no records: names the input, and what was skipped if anything."""
+    names = ", ".join("<stdin>" if f == "-" else str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
+    reasons = ", ".join(f"{v} {k}" for k, v in r.skipped.most_common())
+    detail = f": {r.n_skipped} bad record(s) skipped ({reasons})" if reasons else " (the input holds no records)"
+    return InputError(f"{names}: no {what}{detail}")
 
 
 def check_choice(value: str, choices: Collection[str], option: str) -> None:

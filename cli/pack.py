@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from treepack.cli.common import check_choice, console, err_console, handle_errors
+from treepack.cli.common import check_choice, console, err_console, handle_errors, nothing_read
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
     TOKENIZER_HELP,
@@ -24,7 +24,7 @@ from treepack.pack.balance import BALANCE_COSTS
 from treepack.pack.shards import DEFAULT_SHARD_SIZE, check_output_dir, parse_shard_size, write_shards
 from treepack.pack.strategies import OVERSIZE, STRATEGIES, pack_sequences
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES, compute_stats
-from treepack.tree import SCOPES, PrefixTree
+from treepack.tree import PrefixTree
 
 PROGRESS_MIN_PACKS = 200  # show the shard-writing progress bar from this many packs
 PROGRESS_MIN_TOKENS = 20_000_000  # show a spinner while packing inputs this big
@@ -58,7 +58,7 @@ def pack(
     cap = size_option(capacity, "--capacity", "capacity")
     check_choice(strategy, STRATEGIES, "--strategy")
     check_choice(oversize, OVERSIZE, "--oversize")
-    check_choice(group_by, SCOPES, "--group-by")
+    check_choice(group_by, ("none", "tree_id"), "--group-by")
     check_choice(balance_cost, BALANCE_COSTS, "--balance-cost")
     check_choice(on_error, ("raise", "skip"), "--on-error")
     check_choice(model, MODEL_SHAPES, "--model")
@@ -81,8 +81,7 @@ def pack(
     rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,
                                   tokenizer=tokenizer, chat=chat, keep_records=True)
     if len(rollouts) == 0:
-        reasons = ", ".join(f"{v} {k}" for k, v in rollouts.skipped.most_common())
-        raise InputError("no sequences to pack" + (f": {rollouts.n_skipped} bad record(s) skipped ({reasons})" if reasons else ""))
+        raise nothing_read(files, "sequences to pack", rollouts)
     t_read = time.perf_counter() - t0
     with _status(f"packing {rollouts.n_tokens:,} tokens ({strategy})", quiet or rollouts.n_tokens < PROGRESS_MIN_TOKENS):
         tree = PrefixTree.build(rollouts, group_by=group_by)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from treepack.cli.common import check_choice, console, err_console, handle_errors
+from treepack.cli.common import check_choice, console, err_console, handle_errors, nothing_read
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
     TOKENIZER_HELP,
@@ -15,7 +15,6 @@ from treepack.cli.inputs import (
     size_option,
 )
 
-from treepack.errors import InputError
 from treepack.pack.strategies import OVERSIZE, STRATEGIES, pack_sequences
 from treepack.tree import PrefixTree
 from treepack.viz.options import DEFAULT_DPI, FORMATS, KINDS, MAX_TREE_NODES
@@ -64,7 +63,7 @@ def plot(
     rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,
                                   tokenizer=tokenizer, chat=chat)
     if len(rollouts) == 0:
-        raise InputError("no sequences to plot")
+        raise nothing_read(files, "sequences to plot", rollouts)
     tree = PrefixTree.build(rollouts, group_by=group_by)
     packing = None
     if kind == "packs":

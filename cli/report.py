@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from treepack.cli.common import check_choice, console, handle_errors
+from treepack.cli.common import check_choice, console, handle_errors, nothing_read
 from treepack.cli.inputs import KEEP_PREFIX_HELP, TOKENIZER_HELP, chat_input, load_with_progress, size_option
 
-from treepack.errors import InputError
 from treepack.pack.strategies import OVERSIZE
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES
 from treepack.viz.options import DEFAULT_DPI, REPORT_DPI
@@ -46,7 +45,7 @@ def report(
     rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,
                                   tokenizer=tokenizer, chat=chat)
     if len(rollouts) == 0:
-        raise InputError("no sequences to report on")
+        raise nothing_read(files, "sequences to report on", rollouts)
     output.parent.mkdir(parents=True, exist_ok=True)
     from treepack.viz.report import write_report
 

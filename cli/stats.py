@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
-from treepack.cli.common import check_choice, console, err_console, handle_errors
+from treepack.cli.common import check_choice, console, err_console, handle_errors, nothing_read
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
     TOKENIZER_HELP,
@@ -17,7 +17,7 @@ from treepack.cli.inputs import (
     size_option,
 )
 
-from treepack.errors import InputError, TreepackError
+from treepack.errors import TreepackError
 from treepack.io.rollouts import Rollouts
 from treepack.pack.shard_reader import pack_dir_of
 from treepack.pack.strategies import OVERSIZE, STRATEGIES, pack_sequences
@@ -129,8 +129,7 @@ def stats(
         recs = load_chats(files, tokenizer, chat, on_error=on_error, quiet=quiet, consistent=True)
         rollouts, drift = recs.rollouts, drift_summary(recs)
     if len(rollouts) == 0:
-        reasons = ", ".join(f"{v} {k}" for k, v in rollouts.skipped.most_common())
-        raise InputError("no sequences to analyse" + (f": {rollouts.n_skipped} bad record(s) skipped ({reasons})" if reasons else ""))
+        raise nothing_read(files, "sequences to analyse", rollouts)
     tree = PrefixTree.build(rollouts, group_by=group_by)
     st = compute_stats(tree, rollouts=rollouts, model=model, top_groups=top)
     strategies = None

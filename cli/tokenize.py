@@ -22,9 +22,9 @@ from treepack.cli.chat_inputs import (
     report_skipped,
     share,
 )
-from treepack.cli.common import check_choice, console, err_console, handle_errors
+from treepack.cli.common import check_choice, console, err_console, handle_errors, nothing_read
 
-from treepack.errors import InputError, TreepackError
+from treepack.errors import TreepackError
 from treepack.io.chat_rollouts import ChatOptions, ChatRecords, write_chat_records
 
 OUTPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
@@ -66,9 +66,7 @@ def tokenize(
     recs = load_chats(files, tokenizer, options, on_error=on_error, quiet=quiet, consistent=True)
     r = recs.rollouts
     if len(r) == 0:
-        reasons = ", ".join(f"{v} {k}" for k, v in r.skipped.most_common())
-        raise InputError("no conversations to tokenize" + (f": {r.n_skipped} bad record(s) skipped ({reasons})"
-                                                            if reasons else ""))
+        raise nothing_read(files, "conversations to tokenize", r)
     checked = 0
     if verify:
         checked = check_with_transformers(files, tokenizer, options, recs, verify)

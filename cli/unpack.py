@@ -6,7 +6,7 @@ import typer
 from treepack.cli.common import err_console, handle_errors
 
 from treepack.io.records import write_rollouts
-from treepack.pack.shard_reader import unpack as unpack_dir
+from treepack.pack.shard_reader import pack_dir_of, read_inputs, read_manifest
 
 
 @handle_errors
@@ -18,8 +18,14 @@ def unpack(
     """Rebuild every packed record (tokens, loss_mask, id, tree_id, step, advantage, reward, logprobs) from the shards."""
     if not (output == "-" or output.endswith((".jsonl", ".jsonl.gz", ".parquet", ".pq"))):
         raise typer.BadParameter(f"{output!r}: expected a .jsonl, .jsonl.gz or .parquet file, or -", param_hint="--output")
-    r = unpack_dir(directory)
+    packs = pack_dir_of(directory)  # the directory, or its manifest.json
+    if packs is None:
+        read_manifest(directory)  # raises, naming what is missing
+    r = read_inputs(str(packs), keep_records=True)  # every packed record, and the count of those not packed
     write_rollouts(r, output)
     if not quiet:
         where = "<stdout>" if output == "-" else output
         err_console.print(f"wrote {len(r):,} records ({r.n_tokens:,} tokens) to {where}", markup=False)
+    if r.n_skipped:  # records of the input that `pack` left out: not in the packs, so not written
+        reasons = ", ".join(f"{v:,} {k}" for k, v in r.skipped.most_common())
+        err_console.print(f"not written: {r.n_skipped:,} input record(s) that pack left out: {reasons}", markup=False)

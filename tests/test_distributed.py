@@ -212,7 +212,8 @@ def test_cli_nproc_errors(tmp_path):
     done = subprocess.run([sys.executable, "-m", "treepack", "train", "--nproc", "2", str(config)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert (done.returncode, done.stdout) == (1, "")
-    assert done.stderr.endswith("Error: sequence '0/0' has 19 tokens, more than the capacity 5\n"), done.stderr
+    assert done.stderr.endswith(f"Error: {tmp_path / 'rollouts.jsonl'}: sequence id '0/0' (record 0) has 19 tokens, "
+                                "more than the capacity 5\n"), done.stderr
     assert done.stderr.count("Error:") == 1
     from cli_helpers import run
 

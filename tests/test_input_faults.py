@@ -174,6 +174,19 @@ def test_directory_without_rollouts(tmp_path):
                      f"notes.txt: not a rollout file (.txt; reading {', '.join(SUPPORTED)})\n")
 
 
+@pytest.mark.parametrize("command, what", [
+    (["stats"], "sequences to analyse"),
+    (["pack", "-c", "1K", "-o", "packs"], "sequences to pack"),
+    (["plot", "-o", "tree.png"], "sequences to plot"),
+    (["report", "-o", "report.html"], "sequences to report on"),
+])
+def test_empty_file_is_named(tmp_path, monkeypatch, command, what):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    r = run(command[0], "empty.jsonl", *command[1:])
+    assert (r.code, r.err) == (1, f"Error: empty.jsonl: no {what} (the input holds no records)\n")
+
+
 def test_pack_directory_stats_describe_the_original_rollouts(tmp_path):
     src = tmp_path / "r.jsonl"
     src.write_bytes(jsonl_bytes(RECORDS))

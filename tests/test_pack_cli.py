@@ -60,10 +60,31 @@ def test_oversize_skip_counts_and_reports(small, tmp_path):
     assert m["counts"]["packed_sequences"] == 3
 
 
+def test_unpack_names_the_records_pack_left_out(small, tmp_path):
+    assert run("pack", small, "--capacity", "6", "-o", tmp_path / "p", "--oversize", "skip", "-q").code == 0
+    for where in (tmp_path / "p", tmp_path / "p" / "manifest.json"):
+        u = run("unpack", where, "-o", tmp_path / "back.jsonl")
+        assert u.code == 0, u.err
+        assert u.err == (f"wrote 3 records (11 tokens) to {tmp_path / 'back.jsonl'}\n"
+                         "not written: 1 input record(s) that pack left out: 1 over the pack capacity (not in the packs)\n")
+    assert [json.loads(line) for line in (tmp_path / "back.jsonl").read_text().splitlines()] == RECS[:3]
+
+
+def test_unpack_of_what_is_not_a_pack_directory(small, tmp_path):
+    r = run("unpack", small, "-o", tmp_path / "x.jsonl")
+    assert (r.code, r.err) == (1, f"Error: {small}: no manifest.json (not a directory written by `treepack pack`)\n")
+    r = run("unpack", tmp_path / "nope", "-o", tmp_path / "x.jsonl")
+    assert (r.code, r.err) == (1, f"Error: {tmp_path / 'nope'}: no such file or directory\n")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--capacity", "6x"], ("Invalid value for --capacity: invalid capacity '6x': expected an integer or a number "
                            "with k/K/M/G, e.g. 60k")),
     (["--capacity", "0"], "Invalid value for --capacity: invalid capacity '0': must be positive"),
+    (["--capacity", "99999999999999999999"], ("Invalid value for --capacity: invalid capacity '99999999999999999999': "
+                                              "too large (at most 2**62 = 4,611,686,018,427,387,904)")),
+    (["--capacity", "8", "--group-by", "step"],  # sharing never crosses a step: not a scope to choose
+     "Invalid value for --group-by: must be one of none, tree_id, got 'step'"),
     (["--capacity", "8", "--strategy", "greedy"],
      "Invalid value for --strategy: must be one of best, first-fit, dfs, optimal, got 'greedy'"),
     (["--capacity", "8", "--oversize", "drop"], "Invalid value for --oversize: must be one of error, skip, got 'drop'"),

@@ -1,6 +1,8 @@
 """``treepack stats``: exact JSON keys, the gate's exit codes and messages, and input errors."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from cli_helpers import run
@@ -86,7 +88,7 @@ def test_all_records_bad(tmp_path):
     bad.write_text('{"input_ids": []}\n')
     r = run("stats", bad, "--on-error", "skip")
     assert r.code == 1
-    assert r.err == "Error: no sequences to analyse: 1 bad record(s) skipped (1 empty sequence)\n"
+    assert r.err == f"Error: {bad}: no sequences to analyse: 1 bad record(s) skipped (1 empty sequence)\n"
 
 
 def test_missing_file_and_usage_errors(tmp_path):
@@ -106,3 +108,14 @@ def test_group_by_without_groups(tmp_path):
 def test_stdin(small):
     r = run("stats", "-", "--json", input=small.read_text())
     assert r.code == 0 and json.loads(r.out)["n_sequences"] == 3
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_output_into_a_closed_pipe_exits_0(small, extra):
+    """``treepack stats ... | head``: the reader leaving early is not an error (tables and JSON alike)."""
+    p = subprocess.Popen([sys.executable, "-m", "treepack", "stats", str(small), *extra], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()  # before the command writes: its first write meets a closed pipe
+    err = p.stderr.read()
+    p.stderr.close()
+    assert (p.wait(timeout=120), err) == (0, b"")

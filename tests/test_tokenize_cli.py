@@ -175,6 +175,9 @@ BAD = [
     ({"messages": [{"role": "developer", "content": "x"}, {"role": "assistant", "content": "y"}]},
      "template render failure",
      "field 'messages': the chat template failed to render: TemplateError: developer messages are not supported"),
+    ({"chosen": "Human: hi Assistant: yo", "rejected": "Human: hi Assistant: no"}, "template render failure",
+     ("field 'chosen': the chat template failed to render: UndefinedError: list object has no element 0 (the turn "
+      "to train is the first message, with no prompt before it)")),
     ({"messages": [{"role": "user", "content": "x"}]}, "no assistant message",
      "field 'messages' has no assistant message to train on (roles: user)"),
 ]
@@ -204,6 +207,9 @@ def test_parquet_rows_malformed_json_and_usage_errors(tok_dir, tmp_path):
     assert run("tokenize", bad, "--tokenizer", tok_dir).err.startswith(f"Error: {bad}: line 2: malformed JSON (")
     missing = run("tokenize", bad, "--tokenizer", tmp_path / "nope")
     assert missing.code == 1 and missing.err == f"Error: {tmp_path / 'nope'}: tokenizer directory not found\n"
+    a_file = run("tokenize", bad, "--tokenizer", tok_dir / "tokenizer.json")
+    assert a_file.code == 1 and a_file.err == (f"Error: {tok_dir / 'tokenizer.json'}: a file, not a tokenizer "
+                                               "directory (the directory holding tokenizer.json and the chat template)\n")
     no_template = build_tokenizer(tmp_path / "plain", CHATML)
     (no_template / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     assert run("tokenize", bad, "--tokenizer", no_template).err == (

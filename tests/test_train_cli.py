@@ -94,6 +94,7 @@ def metrics(run_dir: Path) -> list[dict]:
      "config.toml: invalid data.capacity '12q': expected an integer or a number with k/K/M/G, e.g. 60k"),
     ("[data]\nshards = 'p'\nchild_order = 'size'\n",
      "config.toml: data.child_order must be one of lex, largest-first, got 'size'"),
+    ("[data]\nrollouts = 'r.jsonl'\n", "config.toml: data.rollouts must be a list of strings, got 'r.jsonl'"),
     ("[data\nshards = 'p'\n", None),
 ])
 def test_config_errors(tmp_path, monkeypatch, body, message):
@@ -207,6 +208,20 @@ def test_grpo_run_uses_group_advantages(tmp_path):
     assert all("clip_fraction" in m for m in metrics(tmp_path / "run"))
 
 
+def test_grpo_without_a_reward_stops_before_the_first_step(tmp_path):
+    """A record without a reward fails at the start, named, not at the (late) step that batches it."""
+    cfg = write_config(tmp_path, steps=3, extra="[train.loss]\nkind = 'grpo'\n")
+    lines = (tmp_path / "rollouts.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])
+    del last["reward"]
+    (tmp_path / "rollouts.jsonl").write_text("\n".join(lines[:-1] + [json.dumps(last)]) + "\n")
+    r = run("train", cfg)
+    assert (r.code, r.out) == (1, "")
+    assert r.err == (f"Error: {tmp_path / 'rollouts.jsonl'}: record 11 (id '2/3'): no 'reward' (nor 'advantage'); "
+                     "the grpo loss needs one for every sequence (1 of 12 have neither)\n")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_resume_continues_the_same_run(tmp_path):
     full = write_config(tmp_path, steps=4, out="full")
     assert run("train", full).code == 0
@@ -242,7 +257,7 @@ def test_verify_cli_errors(tmp_path):
     assert (r.code, r.err) == (1, f"Error: {tmp_path / 'missing.jsonl'}: no such file or directory\n")
     data = write_rollouts(tmp_path / "r.jsonl")
     r = run("verify", data, "--capacity", "5")
-    assert (r.code, r.err) == (1, "Error: sequence '0/0' has 10 tokens, more than the capacity 5\n")
+    assert (r.code, r.err) == (1, f"Error: {data}: sequence id '0/0' (record 0) has 10 tokens, more than the capacity 5\n")
     r = run("verify", data, "--modes", "dense,flat")
     assert (r.code, r.err) == (1, "Error: unknown mode 'flat' (modes: tree, dense, dense-leaf, dfs, auto)\n")
 

@@ -8,11 +8,13 @@ trainers use while ``60k`` never packs more than the 60,000 tokens a reader woul
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from treepack.errors import TreepackError
 
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "K": 1024, "M": 1024**2, "G": 1024**3}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
+MAX_SIZE = 2**62  # sizes meet int64 arithmetic (capacity minus depth, sums of lengths): keep them clear of it
 
 
 def parse_size(text: str | int, *, what: str = "size") -> int:
@@ -23,10 +25,12 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
         m = _SIZE_RE.match(str(text))
         if not m:
             raise TreepackError(f"invalid {what} {text!r}: expected an integer or a number with k/K/M/G, e.g. 60k")
-        value = float(m.group(1)) * _UNITS[m.group(2)]
-        if value != int(value):
+        value = Fraction(m.group(1)) * _UNITS[m.group(2)]  # exact: 9007199254740993 stays itself
+        if value.denominator != 1:
             raise TreepackError(f"invalid {what} {text!r}: not a whole number of tokens")
         value = int(value)
     if value <= 0:
         raise TreepackError(f"invalid {what} {text!r}: must be positive")
+    if value > MAX_SIZE:
+        raise TreepackError(f"invalid {what} {text!r}: too large (at most 2**62 = {MAX_SIZE:,})")
     return value

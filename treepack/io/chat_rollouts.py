@@ -303,10 +303,12 @@ class _State:
                 self.fail(where, err)
             elif convs is not None:
                 done = [(conv, next(views_it), next(results)) for conv in convs]
-                bad = next((r for _, _, r in done if isinstance(r, ChatTemplateError)), None)
+                bad = next(((c, v, r) for c, v, r in done if isinstance(r, ChatTemplateError)), None)
                 if bad is not None:
+                    conv, view, err = bad
+                    first = " (the turn to train is the first message, with no prompt before it)" if view[2][:1] == [0] else ""
                     self.fail(where, RecordError("template render failure",
-                                                 f"field 'messages': the chat template failed to render: {bad}"))
+                                                 f"field {conv.part!r}: the chat template failed to render: {err}{first}"))
                 else:
                     for conv, view, turns in done:
                         self.add(conv, turns, view[3], view[4])

@@ -193,6 +193,9 @@ class ChatTokenizer:
         import tokenizers
 
         d = Path(directory)
+        if d.is_file():
+            raise TreepackError(f"{d}: a file, not a tokenizer directory (the directory holding tokenizer.json "
+                                "and the chat template)")
         if not d.is_dir():
             raise TreepackError(f"{d}: tokenizer directory not found")
         tj_path = d / "tokenizer.json"

@@ -55,6 +55,7 @@ class Conversation:
     fields: dict = field(default_factory=dict)  # carried into every record of the conversation
     turns: list[int] | None = None  # message indices of the trained turns (None: every assistant message)
     where: str = ""  # "line 3" / "row 5" / "record 2"
+    part: str = "messages"  # the record's field holding the trained turns (errors name it)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,7 +244,7 @@ def _conv(messages, tools, cid, tree, carried, turns, where, part: str = "messag
         roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
         raise RecordError("no assistant message", f"field {part!r} has no assistant message to train on "
                                                   f"(roles: {roles})")
-    return Conversation(messages, tools, str(cid), tree, carried, turns, where)
+    return Conversation(messages, tools, str(cid), tree, carried, turns, where, part)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -37,8 +37,10 @@ from treepack.pack.shards import (
 def read_manifest(path: str | Path) -> dict:
     """The manifest of a packed directory (checks the format and schema version)."""
     p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file or directory")
     f = p / MANIFEST if p.is_dir() else p
-    if not f.exists():
+    if not f.exists() or f.name != MANIFEST:
         raise InputError(f"{p}: no {MANIFEST} (not a directory written by `treepack pack`)")
     try:
         m = json.loads(f.read_text())

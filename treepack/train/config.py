@@ -251,7 +251,8 @@ def _coerce(key: str, value, tp):
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list of {_type_name(item)}s, got {value!r}")
+            plural = {int: "integers", float: "numbers", str: "strings"}.get(item, str(item))
+            raise ConfigError(f"{key} must be a list of {plural}, got {value!r}")
         return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     if tp is bool:
         ok = isinstance(value, bool)

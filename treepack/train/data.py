@@ -40,6 +40,7 @@ from treepack.errors import CapacityError, ConfigError, InputError, TreepackErro
 from treepack.io.ingest import read_rollouts
 from treepack.io.rollouts import Rollouts, _ranges
 from treepack.pack.layout import Pack, build_pack, relayout
+from treepack.pack.strategies import describe_sequence
 from treepack.tree import PrefixTree, scope_codes
 
 
@@ -61,7 +62,7 @@ def pack_rollouts(r: Rollouts, capacity: int, *, max_packs: int | None = None) -
     too_long = np.flatnonzero(lengths > capacity)
     if too_long.size:
         i = int(too_long[0])
-        raise CapacityError(f"sequence {r.ids[i]!r} has {int(lengths[i])} tokens, more than the capacity {capacity}")
+        raise CapacityError(f"{describe_sequence(r, i)} has {int(lengths[i])} tokens, more than the capacity {capacity}")
     scope, _ = scope_codes(r, "tree_id" if r.groups is not None else None)
     if scope is None:
         scope = np.zeros(len(r), dtype=np.int64)
@@ -287,6 +288,12 @@ def load_packs(
     if len(r) == 0:
         raise InputError(f"{', '.join(map(str, paths))}: no rollout records")
     return [relayout(p, child_order) for p in pack_rollouts(r, capacity, max_packs=max_packs)]
+
+
+def data_where(sources: str | Path | list) -> str:
+    """``"<path>: "`` when the data is one file or directory (it prefixes messages about its records), else ``""``."""
+    paths = [sources] if isinstance(sources, (str, Path)) else list(sources)
+    return f"{paths[0]}: " if len(paths) == 1 else ""
 
 
 def compact_vocab(packs: list[Pack]) -> tuple[list[Pack], np.ndarray]:

@@ -39,8 +39,8 @@ from treepack.pack.layout import Pack
 from treepack.train.banner import banner, eta_line
 from treepack.train.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from treepack.train.config import RunConfig
-from treepack.train.data import batch_indices, compact_vocab, load_packs
-from treepack.train.losses import BatchTotals, LossRows, Objective, group_advantages
+from treepack.train.data import batch_indices, compact_vocab, data_where, load_packs
+from treepack.train.losses import BatchTotals, LossRows, Objective, check_rewards, group_advantages
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import Mode, make_mode
 from treepack.train.modes.auto import AutoMode, SpeedTable
@@ -263,11 +263,15 @@ def train(
     """Run (or resume) the configured training; ``packs`` overrides the data section (tests, notebooks)."""
     device, param_dtype, autocast_dtype = resolve_precision(cfg.train.device, cfg.train.dtype)
     torch.manual_seed(cfg.train.seed)
+    where = ""
     if packs is None:
         source = cfg.data.shards or cfg.data.rollouts
         packs = load_packs(source, capacity=cfg.data.capacity_tokens, child_order=cfg.data.child_order)
+        where = data_where(source)
     if not packs:
         raise ConfigError("the data section yields no packs")
+    if cfg.train.loss.kind == "grpo":
+        check_rewards(packs, where)
     if cfg.data.packs_per_step > len(packs):
         raise ConfigError(f"data.packs_per_step ({cfg.data.packs_per_step}) exceeds the packs in the data "
                           f"({len(packs)})")

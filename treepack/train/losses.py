@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.errors import ConfigError, TreepackError
+from treepack.errors import ConfigError, InputError, TreepackError
 from treepack.pack.layout import Pack
 from treepack.train.compiled import pick
 
@@ -342,6 +342,26 @@ def token_weights_fast(pack: Pack, rows: LossRows, totals: BatchTotals, normaliz
                       minlength=int(np.asarray(pack.input_ids).shape[0]))
     token_U = np.flatnonzero(w_T > 0)
     return token_U, w_T[token_U]
+
+
+def check_rewards(packs: list[Pack], where: str = "") -> None:
+    """Before the first step: every sequence has an advantage or a reward (what `group_advantages` needs), so
+    that a missing reward stops the run at its start instead of at the step that batches it. ``where``
+    prefixes the message (the data source)."""
+    missing, first = 0, None  # first: (record index, id) of the earliest record without either
+    for p in packs:
+        if p.advantages is not None:
+            continue
+        bad = (np.arange(p.n_sequences) if p.rewards is None
+               else np.flatnonzero(np.isnan(np.asarray(p.rewards, dtype=np.float64))))
+        missing += len(bad)
+        for s in bad.tolist():
+            if first is None or int(p.seq_index[s]) < first[0]:
+                first = (int(p.seq_index[s]), p.seq_ids[s])
+    if first is not None:
+        total = sum(p.n_sequences for p in packs)
+        raise InputError(f"{where}record {first[0]} (id {first[1]!r}): no 'reward' (nor 'advantage'); the grpo loss "
+                         f"needs one for every sequence ({missing:,} of {total:,} have neither)")
 
 
 def group_advantages(packs: list[Pack], eps: float = 1e-6) -> list[Pack]:

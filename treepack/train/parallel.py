@@ -41,7 +41,7 @@ from treepack.errors import ConfigError, TreepackError
 from treepack.pack.layout import Pack
 from treepack.train.checkpoint import has_checkpoint
 from treepack.train.config import RunConfig
-from treepack.train.data import compact_vocab, load_packs
+from treepack.train.data import compact_vocab, data_where, load_packs
 from treepack.train.dcp import load_distributed, save_distributed
 from treepack.train.distributed import flop_model, gather_floats, shard_batch
 from treepack.train.fsdp import Accumulation, grad_norm, shard_model
@@ -57,7 +57,7 @@ from treepack.train.loop import (
     resolve_precision,
     step_batch,
 )
-from treepack.train.losses import LossRows, Objective
+from treepack.train.losses import LossRows, Objective, check_rewards
 from treepack.train.modes.dfs import merge_work
 
 
@@ -115,11 +115,15 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
     device = group.device
     _, param_dtype, autocast_dtype = resolve_precision(device.type, cfg.train.dtype)
     torch.manual_seed(cfg.train.seed)
+    where = ""
     if packs is None:
         packs = load_packs(cfg.data.shards or cfg.data.rollouts, capacity=cfg.data.capacity_tokens,
                            child_order=cfg.data.child_order)
+        where = data_where(cfg.data.shards or cfg.data.rollouts)
     if not packs:
         raise ConfigError("the data section yields no packs")
+    if cfg.train.loss.kind == "grpo":
+        check_rewards(packs, where)
     if cfg.data.packs_per_step > len(packs):
         raise ConfigError(f"data.packs_per_step ({cfg.data.packs_per_step}) exceeds the packs in the data "
                           f"({len(packs)})")
