@@ -143,8 +143,8 @@ def stats(
             p = pack_sequences(rollouts, cap, strategy=strategy, group_by=group_by, oversize=oversize, tree=tree)
         st.capacity, st.strategy, st.n_packs, st.n_pack_tokens, st.err = cap, strategy, p.n_packs, p.n_pack_tokens, p.err
         st.err_speedup = 1.0 / (1.0 - p.err) if p.err < 1 else float("inf")
+        st.n_oversize_skipped = p.n_oversize_skipped
         if p.n_oversize_skipped:
-
             report_oversize(rollouts, p)
     gate = Gate(min_compression=min_compression, min_por=min_por, min_err=min_err, max_seq_len=seq_len_limit)
     if plot_dir is not None:  # before the gate, so a failing CI run still leaves its figures

@@ -16,9 +16,9 @@ from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from treepack.cli.common import check_choice, console, err_console, handle_errors
+from treepack.cli.inputs import size_option
 
 from treepack.errors import TreepackError
-from treepack.sizes import parse_size
 
 
 def render(report) -> None:
@@ -136,8 +136,9 @@ def verify(
     if packs < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--packs")
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
-    cap = parse_size(capacity, what="--capacity")
-    micro = parse_size(micro_batch_tokens, what="--micro-batch-tokens") if micro_batch_tokens.strip() != "0" else 0
+    cap = size_option(capacity, "--capacity", "capacity")
+    micro = (size_option(micro_batch_tokens, "--micro-batch-tokens", "micro-batch tokens")
+             if micro_batch_tokens.strip() != "0" else 0)
     reporter = Reporter(quiet or as_json)
 
     import torch

@@ -66,7 +66,9 @@ def run_train(tmp_path, *, arch="gemma2", source="hf", mode="tree", steps=2, los
 def test_tree_and_dense_follow_the_same_trajectory(tmp_path, loss):
     tree = run_train(tmp_path, mode="tree", loss=loss, out="tree").losses
     dense = run_train(tmp_path, mode="dense", loss=loss, out="dense").losses
-    assert len(tree) == 2 and all(abs(a - b) <= 1e-9 * abs(b) for a, b in zip(tree, dense)), (tree, dense)
+    # a GRPO loss whose advantages cancel is 0 in exact arithmetic: float64 round-off (~1e-17) in either mode,
+    # whose tokens are summed in another order (tree packs are laid out largest subtree first)
+    assert len(tree) == 2 and all(abs(a - b) <= 1e-9 * max(abs(b), 1e-6) for a, b in zip(tree, dense)), (tree, dense)
 
 
 def test_activation_checkpointing_recomputes_tree_layers(tmp_path):

@@ -82,6 +82,7 @@ BAD_LINES = [
     ('{"input_ids": [1], "step": 1.5}', "field 'step' must be an integer, got 1.5"),
     ('{"text": "hi", "label": 1}', "missing tokens field 'input_ids' (or 'tokens', 'token_ids'); found fields: 'text', 'label'"),
     ('{"input_ids": [1, 2]', "malformed JSON (Expecting ',' delimiter at column 21)"),
+    ('{"input_ids": [1], "id": "a}', "malformed JSON (Unterminated string starting at column 26)"),
     ("[1, 2, 3]", "expected a JSON object, got array"),
 ]
 
@@ -100,7 +101,7 @@ def test_skip_counts_every_bad_record(tmp_path):
     r = read_rollouts(path, on_error="skip")
     assert len(r) == 3
     assert r.n_skipped == len(BAD_LINES)
-    assert r.skipped["negative token"] == 1 and r.skipped["malformed JSON"] == 1
+    assert r.skipped["negative token"] == 1 and r.skipped["malformed JSON"] == 2
     assert r.sources[0].n_skipped == len(BAD_LINES)
     assert r.skipped_examples[0] == f"{path}: line 4: {BAD_LINES[0][1]}"
 

@@ -40,6 +40,19 @@ def test_group_by_tree_id(small):
     assert [g["group"] for g in d["groups"]] == ["t1", "t2"]
 
 
+def test_err_with_oversize_skip_is_over_the_packed_sequences(small):
+    """--oversize skip leaves 4-token sequences out of the packs: ERR's N_flat is that of the packed ones
+    (the 3-token c alone: 3 flat, 3 packed, ERR 0), and the table and JSON say how many were left out."""
+    r = run("stats", small, "--capacity", "3", "--oversize", "skip", "--json")
+    assert r.code == 0, r.err
+    d = json.loads(r.out)
+    assert (d["n_flat_tokens"], d["n_pack_tokens"], d["err"], d["n_oversize_skipped"]) == (11, 3, 0.0, 2)
+    table = run("stats", small, "--capacity", "3", "--oversize", "skip")
+    assert "1 - N_pack / N_flat of the packed sequences (2 longer than the capacity left out)" in " ".join(
+        line.strip("│ ") for line in table.out.splitlines())
+    assert "n_oversize_skipped" not in json.loads(run("stats", small, "--json").out)
+
+
 def test_gate_fails_naming_every_threshold(small):
     r = run("stats", small, "--min-compression", "2", "--min-por", "0.5", "--max-seq-len", "3")
     assert r.code == 1

@@ -205,6 +205,9 @@ def test_parquet_rows_malformed_json_and_usage_errors(tok_dir, tmp_path):
     bad = tmp_path / "m.jsonl"
     bad.write_text(json.dumps({"messages": CONV}) + "\n{oops\n")
     assert run("tokenize", bad, "--tokenizer", tok_dir).err.startswith(f"Error: {bad}: line 2: malformed JSON (")
+    bad.write_text(json.dumps({"messages": CONV}) + '\n{"messages": "[{\n')
+    assert run("tokenize", bad, "--tokenizer", tok_dir).err == (
+        f"Error: {bad}: line 2: malformed JSON (Unterminated string starting at column 14)\n")
     missing = run("tokenize", bad, "--tokenizer", tmp_path / "nope")
     assert missing.code == 1 and missing.err == f"Error: {tmp_path / 'nope'}: tokenizer directory not found\n"
     a_file = run("tokenize", bad, "--tokenizer", tok_dir / "tokenizer.json")

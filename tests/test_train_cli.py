@@ -84,6 +84,7 @@ def metrics(run_dir: Path) -> list[dict]:
      "config.toml: unknown key 'train.loss.clip_hihg' (did you mean 'train.loss.clip_high'?)"),
     ("[data]\nshards = 'p'\n[modle]\n", "config.toml: unknown key 'modle' (did you mean 'model'?)"),
     ("[data]\nshards = 'p'\n[train]\nlr = 'fast'\n", "config.toml: train.lr must be a number, got 'fast'"),
+    ("[data]\nshards = 'p'\n[train]\nsteps = true\n", "config.toml: train.steps must be an integer, got true"),
     ("[data]\nshards = 'p'\n[train]\nsteps = 0\n", "config.toml: train.steps must be > 0, got 0"),
     ("[data]\nshards = 'p'\n[train]\nmode = 'flat'\n",
      "config.toml: train.mode must be one of tree, dense, dense-leaf, dfs, auto, got 'flat'"),
@@ -93,7 +94,7 @@ def metrics(run_dir: Path) -> list[dict]:
     ("[data]\nshards = 'p'\ncapacity = '12q'\n",
      "config.toml: invalid data.capacity '12q': expected an integer or a number with k/K/M/G, e.g. 60k"),
     ("[data]\nshards = 'p'\nchild_order = 'size'\n",
-     "config.toml: data.child_order must be one of lex, largest-first, got 'size'"),
+     "config.toml: data.child_order must be one of auto, lex, largest-first, got 'size'"),
     ("[data]\nrollouts = 'r.jsonl'\n", "config.toml: data.rollouts must be a list of strings, got 'r.jsonl'"),
     ("[data\nshards = 'p'\n", None),
 ])
@@ -178,7 +179,7 @@ def test_child_order_largest_first_trains_the_same(tmp_path, monkeypatch, mode):
 
     monkeypatch.setattr(data, "relayout", spy)
     extra = "dfs_block_size = 4\n" if mode == "dfs" else ""
-    lex = write_config(tmp_path, mode=mode, out="lex", extra=extra)
+    lex = write_config(tmp_path, mode=mode, out="lex", extra=extra, data_extra='child_order = "lex"')
     assert run("train", lex).code == 0
     n = len(orders)
     big = write_config(tmp_path, mode=mode, out="big", extra=extra, data_extra='child_order = "largest-first"')
@@ -191,6 +192,31 @@ def test_child_order_largest_first_trains_the_same(tmp_path, monkeypatch, mode):
     a, b = metrics(tmp_path / "lex"), metrics(tmp_path / "big")
     assert [m["loss"] for m in b] == pytest.approx([m["loss"] for m in a], rel=1e-9)
     assert [m["tokens"] for m in b] == [m["tokens"] for m in a]
+
+
+@pytest.mark.parametrize(("mode", "order"), [("tree", "largest-first"), ("auto", "largest-first"), ("dfs", "lex"),
+                                             ("dense", "lex"), ("dense-leaf", "lex")])
+def test_child_order_auto_is_largest_first_where_tree_attention_reads_the_layout(tmp_path, monkeypatch, mode, order):
+    """The default ``data.child_order = "auto"``: largest-first for tree and auto, lex for dfs and the dense modes;
+    an explicit order is kept whatever the mode."""
+    from treepack.pack.layout import relayout
+    from treepack.train import data
+
+    base = f"[data]\nshards = 'p'\n[train]\nmode = '{mode}'\n"
+    assert parse_config(base).data.child_order == "auto" and parse_config(base).child_order == order
+    for explicit in ("lex", "largest-first"):
+        cfg = parse_config(base.replace("[train]", f"child_order = '{explicit}'\n[train]"))
+        assert cfg.child_order == explicit
+    orders = []
+
+    def spy(pack, child_order):
+        orders.append(child_order)
+        return relayout(pack, child_order)
+
+    monkeypatch.setattr(data, "relayout", spy)
+    r = run("train", write_config(tmp_path, mode=mode, steps=1, extra="dfs_block_size = 4\n" if mode == "dfs" else ""))
+    assert r.code == 0, r.err
+    assert orders and set(orders) == {order}
 
 
 def test_memorisation_lowers_the_loss(tmp_path):
@@ -260,6 +286,9 @@ def test_verify_cli_errors(tmp_path):
     assert (r.code, r.err) == (1, f"Error: {data}: sequence id '0/0' (record 0) has 10 tokens, more than the capacity 5\n")
     r = run("verify", data, "--modes", "dense,flat")
     assert (r.code, r.err) == (1, "Error: unknown mode 'flat' (modes: tree, dense, dense-leaf, dfs, auto)\n")
+    for option in ("--capacity", "--micro-batch-tokens"):  # usage errors, as in pack and stats: exit 2
+        r = run("verify", data, option, "-5")
+        assert r.code == 2 and f"Invalid value for {option}: invalid " in r.err and "'-5'" in r.err
 
 
 def _corrupt_shard(directory: Path, column: str) -> None:

@@ -109,6 +109,7 @@ class TreeStats:
     n_pack_tokens: int | None = None
     err: float | None = None
     err_speedup: float | None = None
+    n_oversize_skipped: int | None = None  # sequences longer than the capacity, left out of the packs (and of ERR)
 
     def rows(self, *, packing: bool = True) -> list[tuple[str, str, str]]:
         """(metric, value, meaning) rows shown by ``treepack stats`` and the HTML report."""
@@ -128,7 +129,9 @@ class TreeStats:
                 ("capacity", f"{self.capacity:,}", f"tokens per pack, strategy {self.strategy}"),
                 ("packs", f"{self.n_packs:,}", "packs needed"),
                 ("N_pack", f"{self.n_pack_tokens:,}", "tokens over all packs"),
-                ("ERR", f"{self.err:.4f}", "1 - N_pack / N_flat"),
+                ("ERR", f"{self.err:.4f}", "1 - N_pack / N_flat" + (
+                    f" of the packed sequences ({self.n_oversize_skipped:,} longer than the capacity left out)"
+                    if self.n_oversize_skipped else "")),
                 ("ERR speedup", f"{self.err_speedup:.2f}x", "1 / (1 - ERR)"),
             ]
         return rows + [
@@ -145,7 +148,7 @@ class TreeStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["branching"] = {str(k): v for k, v in self.branching.items()}
-        for k in ("capacity", "strategy", "n_packs", "n_pack_tokens", "err", "err_speedup"):
+        for k in ("capacity", "strategy", "n_packs", "n_pack_tokens", "err", "err_speedup", "n_oversize_skipped"):
             if d[k] is None:
                 del d[k]
         return d

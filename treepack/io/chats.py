@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from treepack.errors import InputError
+from treepack.io.jsonl import json_error_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CONTENT_FIELDS = ("messages", "tools", "prompt", "completion", "chosen", "rejected", "traj")
@@ -311,9 +312,7 @@ def _iter_jsonl(text: str) -> Iterator[Raw]:
         try:
             rec = json.loads(line)
         except ValueError as exc:
-            col = f" at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-            msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
-            rec = RecordError("malformed JSON", f"malformed JSON ({msg}{col})")
+            rec = RecordError("malformed JSON", json_error_text(exc))
         yield (f"line {lineno}", index, rec, len(line) + 1)
         index += 1
 

@@ -137,13 +137,19 @@ def _jtype(v) -> str:
     )
 
 
+def json_error_text(exc: ValueError) -> str:
+    """``malformed JSON (<what> at column <n>)``; json's own "... starting at" messages end where the column goes."""
+    if not isinstance(exc, json.JSONDecodeError):
+        return f"malformed JSON ({'not UTF-8' if isinstance(exc, UnicodeDecodeError) else exc})"
+    at = " column" if exc.msg.endswith(" at") else " at column"
+    return f"malformed JSON ({exc.msg}{at} {exc.colno})"
+
+
 def _loads(raw: bytes):
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
-        col = f" at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-        raise _RecordError("malformed JSON", f"malformed JSON ({msg}{col})") from None
+        raise _RecordError("malformed JSON", json_error_text(exc)) from None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -104,14 +104,15 @@ class DataConfig:
     capacity: str = "16k"  # pack capacity in tree tokens when packing rollouts (60k, 64K, 65536)
     packs_per_step: int = 1  # packs per optimizer step: one global batch, gradients accumulated
     shuffle: bool = True  # visit packs in a seeded random order each epoch (else file order)
-    # DFS order of each pack's tokens: lex (as packed) | largest-first (children by subtree size, largest first).
-    # Same loss and gradients; FA4 visits 25% fewer partial blocks on ToolBench (benchmarks/fa4_blocks.py)
-    child_order: str = "lex"
+    # DFS order of each pack's tokens: lex (as packed) | largest-first (children by subtree size, largest first)
+    # | auto (`RunConfig.child_order`). Same loss and gradients; FA4 visits 25% fewer partial blocks on ToolBench
+    # (benchmarks/fa4_blocks.py) and its tree step takes 4% less time (results/2026-11-25-child-order-h200.md)
+    child_order: str = "auto"
 
     def __post_init__(self) -> None:
         if bool(self.shards) == bool(self.rollouts):
             raise ConfigError("data: set exactly one of data.shards (a packed directory) or data.rollouts (files)")
-        _one_of("data.child_order", self.child_order, CHILD_ORDERS)
+        _one_of("data.child_order", self.child_order, ("auto", *CHILD_ORDERS))
         try:
             parse_size(self.capacity, what="data.capacity")
         except TreepackError as exc:
@@ -236,6 +237,16 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
+    @property
+    def child_order(self) -> str:
+        """The pack layout the run uses: ``data.child_order``, where ``auto`` is largest-first for the modes that
+        run tree attention over whole packs (tree, auto: 4.1-4.2% off ToolBench's step, no change on tau-bench's
+        chains) and lex for dfs (largest-first was 2-4% slower there: results/2026-11-25-dfs-memory-h200.md)
+        and the dense modes (which never read the layout)."""
+        if self.data.child_order != "auto":
+            return self.data.child_order
+        return "largest-first" if self.train.mode in ("tree", "auto") else "lex"
+
 
 # --------------------------------------------------------------------------------------------------
 # TOML -> dataclasses
@@ -252,7 +263,7 @@ def _coerce(key: str, value, tp):
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
             plural = {int: "integers", float: "numbers", str: "strings"}.get(item, str(item))
-            raise ConfigError(f"{key} must be a list of {plural}, got {value!r}")
+            raise ConfigError(f"{key} must be a list of {plural}, got {_toml_repr(value)}")
         return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     if tp is bool:
         ok = isinstance(value, bool)
@@ -268,8 +279,13 @@ def _coerce(key: str, value, tp):
     else:  # pragma: no cover - every field type is listed above
         raise TypeError(tp)
     if not ok:
-        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {_toml_repr(value)}")
     return value
+
+
+def _toml_repr(value) -> str:
+    """A value as the user wrote it in TOML: ``true``, not Python's ``True``."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _all_keys(cls, prefix: str = "") -> list[str]:
@@ -386,8 +402,9 @@ shards = "packs"            # packed shards (treepack pack ROLLOUTS -o packs) ..
 capacity = "16k"            # pack capacity in tree tokens when packing rollouts
 packs_per_step = 1          # packs per optimizer step (one global batch; gradients accumulated exactly)
 shuffle = true              # seeded random pack order each epoch
-child_order = "lex"         # token order in each pack: lex | largest-first (same gradients, fewer partial
-                            # attention blocks on ToolBench-like packs)
+child_order = "auto"        # token order in each pack: lex | largest-first (same gradients, fewer partial
+                            # attention blocks on ToolBench-like packs) | auto (largest-first for tree and auto
+                            # modes, lex for dfs and the dense modes)
 
 [train]
 mode = "tree"               # tree (tree attention over each pack)

@@ -266,7 +266,7 @@ def train(
     where = ""
     if packs is None:
         source = cfg.data.shards or cfg.data.rollouts
-        packs = load_packs(source, capacity=cfg.data.capacity_tokens, child_order=cfg.data.child_order)
+        packs = load_packs(source, capacity=cfg.data.capacity_tokens, child_order=cfg.child_order)
         where = data_where(source)
     if not packs:
         raise ConfigError("the data section yields no packs")

@@ -118,7 +118,7 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
     where = ""
     if packs is None:
         packs = load_packs(cfg.data.shards or cfg.data.rollouts, capacity=cfg.data.capacity_tokens,
-                           child_order=cfg.data.child_order)
+                           child_order=cfg.child_order)
         where = data_where(cfg.data.shards or cfg.data.rollouts)
     if not packs:
         raise ConfigError("the data section yields no packs")
