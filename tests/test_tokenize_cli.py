@@ -166,7 +166,11 @@ def test_verify_compares_with_transformers(tok_dir, tmp_path):
 BAD = [
     ({"id": 1, "prompt_text": "x"}, "no messages",
      ("no chat messages: expected 'messages' (or 'prompt' + 'completion', 'chosen' + 'rejected', tau-bench "
-      "'traj'); found fields: 'id', 'prompt_text'")),
+      "'traj', a ToolBench answer tree, GSM8K model solutions); found fields: 'id', 'prompt_text'")),
+    ({"chosen": "\n\nHuman: hi\n\nAssistant: yes", "rejected": "\n\nHuman: hi"}, "bad hh-rlhf dialogue",
+     "fields 'chosen' / 'rejected': an hh-rlhf dialogue must end with an '\\n\\nAssistant: ' reply on both sides"),
+    ({"answer_generation": {"train_messages": []}, "tree": {"tree": {}}}, "ToolBench answer without train_messages",
+     "field 'answer_generation' has no train_messages (the system prompt and query to render)"),
     ({"messages": [{"role": "bot", "content": "x"}]}, "unknown role",
      "field 'messages'[0].role: unknown role 'bot' (system, developer, user, assistant, tool)"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",

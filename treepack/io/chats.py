@@ -11,7 +11,9 @@ object; ``.json``, ``.json.gz``) and Parquet. Records:
   ``{id, name, arguments}``, tool results as ``{role: tool, id}``; the user simulator's own tool calls are
   not the agent's context and are left out; an agent turn's null content next to tool calls becomes "")
   as the benchmarks write them. tau2 keeps neither the agent's system prompt nor the tool schemas in its
-  results: records render without them.
+  results: records render without them;
+- ToolBench answer trees, Anthropic hh-rlhf dialogue text and GSM8K model solutions, as published
+  (`treepack.io.chat_sources`).
 Every other field is carried into the records. JSON files are walked element by element with
 ``json.JSONDecoder.raw_decode`` so that an error names the line where the bad record starts:
 ``chats.json: line 412: field 'messages'[3].role: unknown role 'bot' (system, developer, user, assistant, tool)``.
@@ -28,6 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from treepack.errors import InputError
+from treepack.io.chat_sources import (
+    gsm8k_solutions,
+    hh_preference,
+    is_gsm8k_solutions,
+    is_hh_dialogue,
+    is_toolbench_answer,
+    toolbench_paths,
+)
 from treepack.io.jsonl import json_error_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -191,6 +201,12 @@ def conversations_of(rec, *, default_id: str, where: str) -> list[Conversation]:
     """The conversations of one record (two for a preference pair)."""
     if not isinstance(rec, dict):
         raise RecordError("not an object", f"expected a JSON object, got {_jtype(rec)}")
+    if is_toolbench_answer(rec):  # a ToolBench answer tree: one conversation per root-to-leaf path
+        paths = toolbench_paths(rec, default_id)
+        if not paths:
+            raise RecordError("ToolBench answer without train_messages",
+                              "field 'answer_generation' has no train_messages (the system prompt and query to render)")
+        return [c for r in paths for c in conversations_of(r, default_id=r["id"], where=where)]
     _check_scalars(rec)
     carried = {k: v for k, v in rec.items() if k not in CONTENT_FIELDS and k not in ID_FIELDS}
     tools = _check_tools(rec.get("tools"))
@@ -217,6 +233,12 @@ def conversations_of(rec, *, default_id: str, where: str) -> list[Conversation]:
         messages = check_messages(_json_value(rec["messages"], "messages"), "messages")
         cid = rid if rid is not None else default_id
         return [_conv(messages, tools, cid, tree if tree is not None else cid, carried, None, where)]
+    if "chosen" in rec and "rejected" in rec and rec.get("prompt") is None and is_hh_dialogue(rec["chosen"]):
+        pair = hh_preference(rec["chosen"], rec["rejected"]) if is_hh_dialogue(rec["rejected"]) else None
+        if pair is None:
+            raise RecordError("bad hh-rlhf dialogue", "fields 'chosen' / 'rejected': an hh-rlhf dialogue must end "
+                                                      "with an '\\n\\nAssistant: ' reply on both sides")
+        return conversations_of({**rec, **pair}, default_id=default_id, where=where)
     if "chosen" in rec and "rejected" in rec:  # preference, explicit or implicit prompt
         prompt = _as_messages(rec["prompt"], "prompt", "user") if rec.get("prompt") is not None else []
         cid = rid if rid is not None else default_id
@@ -234,9 +256,13 @@ def conversations_of(rec, *, default_id: str, where: str) -> list[Conversation]:
         cid = rid if rid is not None else default_id
         return [_conv(messages, tools, cid, tree if tree is not None else cid, carried,
                       _assistant(messages, len(prompt)), where, "completion")]
+    if is_gsm8k_solutions(rec):  # GSM8K model solutions: one conversation per model, rewarded
+        qid = str(rid if rid is not None else default_id)
+        return [c for r in gsm8k_solutions(rec, qid) for c in conversations_of(r, default_id=r["id"], where=where)]
     found = ", ".join(repr(k) for k in rec) or "none"
     raise RecordError("no messages", "no chat messages: expected 'messages' (or 'prompt' + 'completion', "
-                                     f"'chosen' + 'rejected', tau-bench 'traj'); found fields: {found}")
+                                     f"'chosen' + 'rejected', tau-bench 'traj', a ToolBench answer tree, GSM8K "
+                                     f"model solutions); found fields: {found}")
 
 
 def _conv(messages, tools, cid, tree, carried, turns, where, part: str = "messages") -> Conversation:
