@@ -126,19 +126,19 @@ def kv_bytes_per_token(m: ModelArgs, bytes_per_value: int = 2) -> int:
 
 def plan_only(args) -> str:
     lines = [("| workload | N_tree | N_flat | leaves | longest path | block | keep | pruned | anchor tokens "
-              "| anchor share | calls (anchor/keep/grad/release, anchors merged) | peak graph tokens | path K/V + grads (0.6B) |"),
+              "| anchor share | calls (anchor/keep/grad/release, merges) | peak graph tokens | path K/V + grads (0.6B) |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     per_token = kv_bytes_per_token(QWEN3_0_6B)
     for name in args.workloads:
         r = workload(name, args)
         whole = build_pack(r)
         rows = LossRows.from_pack(whole)
-        for (block, keep), merge in itertools.product(args.dfs, args.merge_anchors):
+        for (block, keep), merge, pops in itertools.product(args.dfs, args.merge_anchors, args.merge_pops):
             s = DfsMode(block_size=block, keep_tokens=keep, subtree_calls=not args.walk,
-                        merge_anchor_tokens=merge).schedule(whole, rows)
+                        merge_anchor_tokens=merge, merge_pops=pops == "on").schedule(whole, rows)
             share = s.anchor_tokens / (s.anchor_tokens + s.grad_tokens)
             calls = "/".join(str(s.count(k)) for k in ("anchor", "keep", "grad", "release"))
-            calls += f", {sum(1 for st in s.steps if st.n_anchor)} merged"
+            calls += f", {sum(1 for st in s.steps if st.n_anchor)} anchors merged, pops merged {pops}"
             lines.append(
                 f"| {name} | {whole.n_real:,} | {int(whole.seq_offsets[-1]):,} | {s.n_leaves} | {s.max_depth:,} "
                 f"| {block or 'unlimited'} | {keep} | {s.n_pruned:,} | {s.anchor_tokens:,} | {share:.1%} | {calls} "
@@ -286,7 +286,7 @@ def run_gpu(args) -> None:
          f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), random init, "
          f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
          f"token-mean; attention {args.attention} (FA4 launch replay {args.fa4_replay}, backward query blocks of "
-         f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; dfs anchors merged up to {' or '.join(map(str, args.merge_anchors))} tokens; pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
+         f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; dfs anchors merged up to {' or '.join(map(str, args.merge_anchors))} tokens, pops merged {' or '.join(args.merge_pops)}; pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
          f"dense micro-batches <= "
          f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
         f"Command: `{command_line(__file__, sys.argv[1:])}` (model init {init_s:.0f} s).",
@@ -320,21 +320,23 @@ def run_gpu(args) -> None:
             if mode_name == "dense" and n_flat > args.dense_max_flat:
                 results[mode_name] = {"skipped": f"N_flat {n_flat:,} > --dense-max-flat"}
                 continue
-            variants = [(b, k, m) for (b, k), m in itertools.product(args.dfs, args.merge_anchors)] \
-                if mode_name == "dfs" else [(None, 0, 0)]
+            variants = [(b, k, m, p) for (b, k), m, p in itertools.product(args.dfs, args.merge_anchors,
+                                                                           args.merge_pops)] \
+                if mode_name == "dfs" else [(None, 0, 0, "on")]
             if mode_name == "tree":
-                variants = [(c, 0, 0) for c in args.capacity]
-            for block, keep, merge in variants:
+                variants = [(c, 0, 0, "on") for c in args.capacity]
+            for block, keep, merge, pops in variants:
                 if mode_name == "dfs":
                     label = (f"dfs B={block or 'inf'}" + (f" keep={keep}" if keep else "")
-                             + (f" merge={merge}" if len(args.merge_anchors) > 1 else ""))
+                             + (f" merge={merge}" if len(args.merge_anchors) > 1 else "")
+                             + (f" pops={pops}" if len(args.merge_pops) > 1 else ""))
                     label += f" #{sum(1 for k in results if k.startswith(label)) + 1}" if label in results else ""
                 else:
                     label = f"tree C={block}" if mode_name == "tree" else mode_name
                 mode = make_mode(mode_name.removesuffix("-leaf"), attention=None if mode_name.startswith("dense") else args.attention,
                                  dfs_block_size=block if mode_name == "dfs" else None, dfs_keep_tokens=keep,
                                  chunk_rows=args.logits_chunk, dfs_subtree_calls=not args.walk,
-                                 dfs_merge_anchor_tokens=merge,
+                                 dfs_merge_anchor_tokens=merge, dfs_merge_pops=pops == "on",
                                  micro_batch_tokens=args.dense_tokens if mode_name.startswith("dense") else None)
                 packs = groups[label if mode_name == "tree" else mode_name]
                 results[label] = measure(model, packs, mode, objective, args.repeats, args.profile, args.gc,
@@ -440,6 +442,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--attention-recompute", default="free", choices=("free", "costed"),
                     help="under --activation-memory-budget < 1: free (torch's default for custom ops: the "
                          "attention forward may be recomputed in backward) or costed (weighed by its FLOPs)")
+    ap.add_argument("--merge-pops", type=lambda s: s.split(","), default=["on"],
+                    help="dfs: consecutive pops of one path in one call (on | off; several: one dfs run each)")
     ap.add_argument("--child-order", default="lex", choices=CHILD_ORDERS,
                     help="DFS order of the dfs and tree packs (treepack.pack.layout.relayout)")
     ap.add_argument("--fa4-replay", default="on", choices=("on", "off", "check"),
@@ -458,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     for w in args.workloads:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r} (workloads: {', '.join(WORKLOADS)})")
+    if set(args.merge_pops) - {"on", "off"}:
+        ap.error(f"--merge-pops takes on and off, got {','.join(args.merge_pops)!r}")
     for m in args.modes:
         if m not in MODES:
             ap.error(f"unknown mode {m!r} (modes: {', '.join(MODES)})")

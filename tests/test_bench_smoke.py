@@ -130,7 +130,7 @@ def test_dfs_benchmark_cpu_smoke(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     text = out.read_text()
-    assert "(FA4 launch replay off, backward query blocks of 128 rows); attention recompute free; dfs anchors merged up to 512 tokens; pack child order largest-first; Python gc freeze" in text
+    assert "(FA4 launch replay off, backward query blocks of 128 rows); attention recompute free; dfs anchors merged up to 512 tokens, pops merged on; pack child order largest-first; Python gc freeze" in text
     n_tree = int(re.search(r"N_tree ([\d,]+),", text).group(1).replace(",", ""))
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| dfs B=2048 | 1 | ")]
     assert n_tree <= 2048 and len(rows) == 1  # the whole forest fits one block: one model call

@@ -183,15 +183,20 @@ def check_schedule(parent_T, sched, block, keep):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seqs=sequence_lists(max_seqs=10, max_len=14, vocab=3), block=st.sampled_from([0, 1, 2, 3, 7]),
        keep=st.sampled_from([0, 2, 5, 1000]), order=st.sampled_from(["backward", "layout"]),
-       merge=st.sampled_from([0, 2, 1000]))
-def test_schedule_replays_exactly(seqs, block, keep, order, subtree_calls, merge):
+       merge=st.sampled_from([0, 2, 1000]), pops=st.booleans())
+def test_schedule_replays_exactly(seqs, block, keep, order, subtree_calls, merge, pops):
     pack = build_pack(rollouts_from(seqs))
     parent_T = np.asarray(pack.parent[: pack.n_real], dtype=np.int64)
     sched = plan(parent_T, block_size=block, keep_tokens=keep, order=order, subtree_calls=subtree_calls,
-                 merge_anchor_tokens=merge)
+                 merge_anchor_tokens=merge, merge_pops=pops)
     check_schedule(parent_T, sched, block, keep)
+    no_pops = plan(parent_T, block_size=block, keep_tokens=keep, order=order, subtree_calls=subtree_calls,
+                   merge_anchor_tokens=merge, merge_pops=False)
+    assert len(sched.steps) <= len(no_pops.steps) and sched.anchor_tokens == no_pops.anchor_tokens
+    if not subtree_calls:  # AReaL-DTA's walk stays leaf by leaf
+        assert len(sched.steps) == len(no_pops.steps)
     unmerged = plan(parent_T, block_size=block, keep_tokens=keep, order=order, subtree_calls=subtree_calls,
-                    merge_anchor_tokens=0)
+                    merge_anchor_tokens=0, merge_pops=pops)
     merged = [st for st in sched.steps if st.n_anchor]
     assert all(st.n_anchor <= merge for st in merged)
     # each merge removes exactly one call and moves no token: the same anchors, riding instead of alone
@@ -291,7 +296,9 @@ def test_dfs_equals_dense(model, seed, kind, size):
 
 
 # (seed, block): random_sequences(seed, n=8, grow=12) whose schedule merges anchors into grad calls
-MERGING = [(2, 6), (7, 6), (10, 10), (14, 16), (30, 10)]
+MERGING = [(2, 6), (7, 6), (14, 10), (14, 16), (16, 10)]
+# (seed, block): ... whose schedule pops a path upward in fewer calls with `dfs_schedule._merge_pops`
+POP_MERGING = [(6, 16), (13, 10), (20, 24), (36, 16), (47, 24)]
 
 
 @pytest.mark.parametrize(("seed", "block"), MERGING)
@@ -315,6 +322,26 @@ def test_dfs_equals_dense_with_anchors_merged_into_grad_calls(model, seed, block
         assert w["anchor_tokens"] == alone.anchor_tokens
         assert w["grad_tokens"] + w["pruned_tokens"] == pack.n_real == w["backward_tokens"] + w["pruned_tokens"]
         assert w["peak_graph_tokens"] <= block
+
+
+@pytest.mark.parametrize(("seed", "block"), POP_MERGING)
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_dfs_equals_dense_with_pops_merged(model, seed, block, kind):
+    """Consecutive pops of one path in one call (`dfs_schedule._merge_pops`): fewer calls, the same tokens
+    forwarded and anchored, and the loss and gradients of dense."""
+    pack = make_pack(random_sequences(seed, n=8, grow=12), seed)
+    rows = LossRows.from_pack(pack)
+    merged = DfsMode(block_size=block).schedule(pack, rows)
+    apart = DfsMode(block_size=block, merge_pops=False).schedule(pack, rows)
+    assert len(merged.steps) < len(apart.steps)
+    assert (merged.grad_tokens, merged.anchor_tokens) == (apart.grad_tokens, apart.anchor_tokens)
+    objective = Objective(kind=kind, normalization="sequence" if seed % 2 else "token", clip_low=0.1, clip_high=0.1)
+    ref = run(model, pack, "dense", objective)
+    for pops in (False, True):
+        out, grads = run(model, pack, "dfs", objective, dfs_block_size=block, dfs_merge_pops=pops)
+        assert_same(out, grads, *ref)
+        assert out.metrics["model_calls"] == len((merged if pops else apart).steps)
+        assert out.metrics["peak_graph_tokens"] <= block
 
 
 def test_dfs_equals_dense_with_behaviour_logprobs_and_kl(model):

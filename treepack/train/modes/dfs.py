@@ -203,7 +203,8 @@ class DfsMode(Mode):
 
     def __init__(self, attention: str = "auto", *, chunk_rows: int = 4096, block_size: int | None = 2048,
                  keep_tokens: int = 0, order: str = "backward", sft_fast_path: bool = True,
-                 subtree_calls: bool = True, merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS) -> None:
+                 subtree_calls: bool = True, merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS,
+                 merge_pops: bool = True) -> None:
         if attention == "sdpa":
             raise ConfigError("attention 'sdpa' runs independent causal sequences; dfs mode needs a tree kernel "
                               "(auto, reference, flex or triton) for its cached prefix")
@@ -222,6 +223,7 @@ class DfsMode(Mode):
         self.sft_fast_path = sft_fast_path
         self.subtree_calls = subtree_calls
         self.merge_anchor_tokens = merge_anchor_tokens
+        self.merge_pops = merge_pops
 
     def schedule(self, pack: Pack, rows: LossRows | None = None) -> Schedule:
         """The traversal of ``pack`` (numpy only; no model needed). With ``rows``, subtrees whose tokens no
@@ -230,7 +232,7 @@ class DfsMode(Mode):
         try:
             return plan(np.asarray(pack.parent[: pack.n_real]), needed_T=needed_T, block_size=self.block_size,
                         keep_tokens=self.keep_tokens, order=self.order, subtree_calls=self.subtree_calls,
-                        merge_anchor_tokens=self.merge_anchor_tokens)
+                        merge_anchor_tokens=self.merge_anchor_tokens, merge_pops=self.merge_pops)
         except ValueError as exc:
             raise LayoutError(f"dfs: {exc}") from None
 

@@ -25,16 +25,18 @@ Every real token is forwarded with grad exactly once (in the pop that finishes i
 is N_tree tokens forward and backward plus the anchors, and no graph is ever re-entered. Anchors are the
 overhead: walking leaf by leaf with ``keep_tokens = 0`` they are the tokens of shared nodes plus each
 leaf's own tail beyond one block, independent of the leaf order; the order (Algorithm 1: internal
-children first, longest tail first) only merges anchors and pops into fewer calls. A small anchor that
-follows a grad call at its own depth rides along in that call (``merge_anchor_tokens``, `_merge_anchor`):
-one call fewer, the anchor's backward (of zero gradients) in exchange. Anchor share (anchor / all
-forwarded tokens) and model calls of `benchmarks/dfs.py`'s workloads (``--plan-only``; calls without
-merging in brackets):
+children first, longest tail first) only merges anchors and pops into fewer calls. Two merges cut calls
+further: a small anchor that follows a grad call at its own depth rides along in that call
+(``merge_anchor_tokens``, `_merge_anchor`; its backward of zero gradients in exchange), and a pop of the
+path rows just above the previous call's tokens joins that call (``merge_pops``, `_merge_pops`; the same
+tokens and pairs), so a path ending in many small branch points is popped in as few calls as the block
+allows. Anchor share (anchor / all forwarded tokens) and model calls of `benchmarks/dfs.py`'s workloads
+(``--plan-only``; calls without either merge in brackets; results/2026-11-26-dfs-merge-plan.md):
 
     workload (N_tree, leaves, longest path)          B=2048         B=8192          B=2048 keep=8192
     tau-bench retail, 144 records (58k, 10, 9.4k)    41%, 42        2.1%, 10 (11)   40%, 47
     synth tau2, 2 tasks (79k, 16, 8.6k)              37%, 62        1.6%, 14 (15)   36%, 64
-    synth tau2 --think, 1 task (46k, 48, 7.4k)       24%, 49 (51)   8.7%, 22 (23)   0.5%, 86
+    synth tau2 --think, 1 task (46k, 48, 7.4k)       24%, 35 (51)   8.7%, 10 (23)   0.5%, 86
 
 Chains with long private tails (tau-bench: one trajectory per task) pay for a small block; combs of short
 leaves on a long shared trunk (dropped reasoning) pay for anchoring the trunk unless it is kept.
@@ -253,6 +255,25 @@ def _merge_anchor(prev: Step, anchor: Step, limit: int, most: int) -> Step | Non
                 n_path=prev.path_rows, n_anchor=anchor.n)
 
 
+def _merge_pops(prev: Step, new: Step, parent_T: np.ndarray, limit: int) -> Step | None:
+    """One call for two consecutive pops of one path, or None. ``new`` pops the path rows just above ``prev``'s
+    tokens (its last path row is the parent of ``prev``'s first token), so ``prev``'s tokens hang below that
+    row as ``new``'s own subtrees do. Order: ``new``'s path rows, ``prev``'s tokens, ``new``'s subtrees: a
+    preorder, each token's descendants right after it. Every token reads the same rows, in the call instead
+    of from the cache: the same tokens and attention pairs in one call fewer."""
+    if (prev.kind != "grad" or new.kind != "grad" or prev.n_anchor or new.n_anchor or new.path_rows == 0
+            or new.lo + new.path_rows != prev.lo or prev.n + new.n > limit
+            or parent_T[prev.tokens_C[0]] != new.tokens_C[new.path_rows - 1]):
+        return None
+    p = new.path_rows
+    ends_prev = prev.subtree_end_C if prev.is_tree else np.full(prev.n, prev.n, dtype=np.int64)
+    ends_new = new.subtree_end_C if new.is_tree else np.full(new.n, new.n, dtype=np.int64)
+    return Step("grad", new.lo, np.concatenate([new.tokens_C[:p], prev.tokens_C, new.tokens_C[p:]]),
+                kv_grad=prev.kv_grad or new.kv_grad,
+                subtree_end_C=np.concatenate([ends_new[:p] + prev.n, ends_prev + p, ends_new[p:] + prev.n]),
+                n_path=p + prev.path_rows)
+
+
 def _chunks_right_to_left(lo: int, hi: int, block: int) -> list[tuple[int, int]]:
     """[lo, hi) cut into ceil(len / block) near-equal pieces, rightmost first."""
     if hi <= lo:
@@ -311,12 +332,12 @@ def live_tokens(parent_T: np.ndarray, needed_T: np.ndarray) -> np.ndarray:
 
 def plan(parent_T: np.ndarray, *, needed_T: np.ndarray | None = None, block_size: int | None = 2048,
          keep_tokens: int = 0, order: str = "backward", subtree_calls: bool = True,
-         merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS) -> Schedule:
+         merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS, merge_pops: bool = True) -> Schedule:
     """The traversal of the tokens with parents ``parent_T`` (see `_plan`); with ``needed_T`` (bool [T]:
     tokens whose hidden state a loss term reads) only over the `live_tokens`, e.g. never a leaf's last token."""
     parent_T = np.asarray(parent_T, dtype=np.int64)
     options = {"block_size": block_size, "keep_tokens": keep_tokens, "order": order,
-               "subtree_calls": subtree_calls, "merge_anchor_tokens": merge_anchor_tokens}
+               "subtree_calls": subtree_calls, "merge_anchor_tokens": merge_anchor_tokens, "merge_pops": merge_pops}
     if needed_T is None:
         return _plan(parent_T, **options)
     live_T = live_tokens(parent_T, np.asarray(needed_T, dtype=bool))
@@ -331,7 +352,8 @@ def plan(parent_T: np.ndarray, *, needed_T: np.ndarray | None = None, block_size
 
 
 def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, order: str,
-          subtree_calls: bool = True, merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS) -> Schedule:
+          subtree_calls: bool = True, merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS,
+          merge_pops: bool = True) -> Schedule:
     """The traversal of a pack whose real tokens have parents ``parent_T`` (see the module doc).
 
     Per leaf of the order, with ``lp`` / ``ln`` its longest common prefix (tokens) with the previous / next
@@ -354,6 +376,9 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
 
     An anchor of at most ``merge_anchor_tokens`` tokens rides along in the grad call just before it when
     that call starts at the same depth and both fit one block (`_merge_anchor`): one model call fewer.
+    With ``merge_pops`` (and subtree calls), a pop of the path rows just above the previous call's tokens
+    joins that call when both fit one block (`_merge_pops`): the path is popped upward in as few calls as
+    the block allows instead of one call per radix node.
     """
     parent_T = np.asarray(parent_T, dtype=np.int64)
     block = int(block_size) if block_size else 0
@@ -419,6 +444,17 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
     steps: list[Step] = []
     kept: list[tuple[int, int]] = []  # kept pieces on the stack, ascending
     kept_alive = peak = 0
+
+    def add_grad(step: Step) -> None:
+        """Append a grad step, as one call with the step before it where `_merge_pops` allows."""
+        nonlocal peak
+        merged = _merge_pops(steps[-1], step, parent_T, limit) if merge_pops and subtree_calls and steps else None
+        if merged is None:
+            steps.append(step)
+        else:
+            steps[-1] = step = merged
+        peak = max(peak, kept_alive + step.n)
+
     for i, path in enumerate(paths):
         n = depth_end[path[-1]] if path else 0
         lp = lcp(paths[i - 1], path) if i > 0 else 0
@@ -458,25 +494,21 @@ def _plan(parent_T: np.ndarray, *, block_size: int | None, keep_tokens: int, ord
             tok = np.concatenate([tokens(path, s, n)] + [np.arange(a, b, dtype=np.int64) for a, b in ranges])
             ends = np.concatenate([np.full(n - s, offsets[-1], dtype=np.int64)]
                                   + [end_T[a:b] - a + o for (a, b), o in zip(ranges, offsets[:-1])])
-            steps.append(Step("grad", s, tok, kv_grad=s < cached, subtree_end_C=ends, n_path=n - s))
-            peak = max(peak, kept_alive + offsets[-1])
+            add_grad(Step("grad", s, tok, kv_grad=s < cached, subtree_end_C=ends, n_path=n - s))
             calls = _chunks_right_to_left(top, s, limit)
         else:
             calls = [(s, n)] + _chunks_right_to_left(top, s, limit)
         for a, b in calls:
-            steps.append(Step("grad", a, tokens(path, a, b), kv_grad=a < cached))
-            peak = max(peak, kept_alive + b - a)
+            add_grad(Step("grad", a, tokens(path, a, b), kv_grad=a < cached))
         below = top
         for a, b in reversed(releases):
             for x, y in _chunks_right_to_left(b, below, limit):
-                steps.append(Step("grad", x, tokens(path, x, y), kv_grad=True))
-                peak = max(peak, kept_alive + y - x)
+                add_grad(Step("grad", x, tokens(path, x, y), kv_grad=True))
             steps.append(Step("release", a, tokens(path, a, b), kv_grad=True))
             kept_alive -= b - a
             below = a
         for x, y in _chunks_right_to_left(ln, below, limit):
-            steps.append(Step("grad", x, tokens(path, x, y), kv_grad=True))
-            peak = max(peak, kept_alive + y - x)
+            add_grad(Step("grad", x, tokens(path, x, y), kv_grad=True))
         kept = [(a, b) for a, b in kept if a < ln]
     return Schedule(steps=steps, n_tokens=int(parent_T.shape[0]), n_pruned=0, max_depth=max(depth_end, default=0),
                     n_leaves=n_leaves, block_size=block or None, keep_tokens=int(keep_tokens), order=order,
