@@ -40,7 +40,8 @@ __all__ = ["MODES", "AutoMode", "DenseMode", "DfsMode", "LayoutError", "Mode", "
 def make_mode(name: str, *, attention: str | None = None, chunk_rows: int = 4096,
               sft_fast_path: bool = True, dfs_block_size: int | None = 2048, dfs_keep_tokens: int = 0,
               dfs_order: str = "backward", dfs_subtree_calls: bool = True,
-              dfs_merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS, dfs_merge_pops: bool = True, micro_batch_tokens: int | None = None, speed_table: SpeedTable | None = None) -> Mode:
+              dfs_merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS, dfs_merge_pops: bool = True,
+              micro_batch_tokens: int | None = None, speed_table: SpeedTable | None = None) -> Mode:
     """A mode by name. ``attention`` None picks its default: the dense modes sdpa (for "auto" too), tree, dfs
     and auto's tree part the tree kernel's auto. ``micro_batch_tokens``: the dense modes' micro-batch bound
     (None: each pack's token count). ``speed_table``: auto's prices (None: the built-in one for the device)."""

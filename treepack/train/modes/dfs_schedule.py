@@ -70,7 +70,7 @@ class Step:
     n_path: int | None = None  # tree call: its first n_path tokens are path rows [lo, lo + n_path), the rest
     # whole subtrees below them (None: all tokens are path rows)
     n_anchor: int = 0  # grad call: its last n_anchor tokens are an anchor riding along (`_merge_anchor`): a chain
-    # at depths [lo, lo + n_anchor) of the next path, no loss, its K/V cached after the call
+    # at depths [lo, lo + n_anchor) of the next path, no loss, its K/V cached once the call's forward has run
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:
@@ -92,6 +92,11 @@ class Step:
     def path_rows(self) -> int:
         """Tokens of the step that are rows of the current path (the ones a K/V cache row may hold)."""
         return self.n if self.n_path is None else self.n_path
+
+    @property
+    def local_ends(self) -> np.ndarray:
+        """Each token's subtree end within the call (a chain's: the call's end)."""
+        return self.subtree_end_C if self.is_tree else np.full(self.n, self.n, dtype=np.int64)
 
     @property
     def n_own(self) -> int:
@@ -249,9 +254,8 @@ def _merge_anchor(prev: Step, anchor: Step, limit: int, most: int) -> Step | Non
             or prev.n + anchor.n > limit):
         return None
     n = prev.n + anchor.n
-    ends = prev.subtree_end_C if prev.is_tree else np.full(prev.n, prev.n, dtype=np.int64)
     return Step("grad", prev.lo, np.concatenate([prev.tokens_C, anchor.tokens_C]), kv_grad=prev.kv_grad,
-                subtree_end_C=np.concatenate([ends, np.full(anchor.n, n, dtype=np.int64)]),
+                subtree_end_C=np.concatenate([prev.local_ends, np.full(anchor.n, n, dtype=np.int64)]),
                 n_path=prev.path_rows, n_anchor=anchor.n)
 
 
@@ -265,9 +269,7 @@ def _merge_pops(prev: Step, new: Step, parent_T: np.ndarray, limit: int) -> Step
             or new.lo + new.path_rows != prev.lo or prev.n + new.n > limit
             or parent_T[prev.tokens_C[0]] != new.tokens_C[new.path_rows - 1]):
         return None
-    p = new.path_rows
-    ends_prev = prev.subtree_end_C if prev.is_tree else np.full(prev.n, prev.n, dtype=np.int64)
-    ends_new = new.subtree_end_C if new.is_tree else np.full(new.n, new.n, dtype=np.int64)
+    p, ends_prev, ends_new = new.path_rows, prev.local_ends, new.local_ends
     return Step("grad", new.lo, np.concatenate([new.tokens_C[:p], prev.tokens_C, new.tokens_C[p:]]),
                 kv_grad=prev.kv_grad or new.kv_grad,
                 subtree_end_C=np.concatenate([ends_new[:p] + prev.n, ends_prev + p, ends_new[p:] + prev.n]),
