@@ -150,7 +150,7 @@ def plan_only(args) -> str:
 # GPU measurement
 
 
-def gpu_busy(step, top: int = 12) -> tuple[float, float, str]:
+def gpu_busy(step, top: int = 16) -> tuple[float, float, str]:
     """(wall seconds, seconds the GPU ran kernels or copies: the union of their intervals, a markdown table of
     the longest kernels) of one ``step()`` under torch.profiler. Busy well below wall means the host (Python,
     launches) sets the pace."""
@@ -169,13 +169,18 @@ def gpu_busy(step, top: int = 12) -> tuple[float, float, str]:
     by_name: dict[str, list[float]] = {}
     for e in events:
         by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
-    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-    table = "| kernel | calls | GPU ms | share of busy |\n|---|---|---|---|\n" + "".join(
-        f"| `{name[:90]}` | {len(d)} | {sum(d) / 1e3:.1f} | {sum(d) / busy_us:.1%} |\n" for name, d in rows)
+    header = "| kernel | calls | GPU ms | share of busy |\n|---|---|---|---|\n"
+
+    def rows(key) -> str:
+        return "".join(f"| `{name[:90]}` | {len(d)} | {sum(d) / 1e3:.1f} | {sum(d) / busy_us:.1%} |\n"
+                       for name, d in sorted(by_name.items(), key=key)[:top])
+
+    table = (f"{len(events)} kernels and copies in the step. By GPU time:\n\n{header}{rows(lambda kv: -sum(kv[1]))}"
+             f"\nBy launches (each costs host time):\n\n{header}{rows(lambda kv: -len(kv[1]))}")
     return wall, busy_us / 1e6, table
 
 
-def host_profile(step, top: int = 25) -> str:
+def host_profile(step, top: int = 40) -> str:
     """cProfile of one ``step()``: the Python functions the host spends its time in (own time), as a
     markdown table, for steps the GPU waits on."""
     import cProfile
@@ -255,15 +260,17 @@ def run_gpu(args) -> None:
     import torch
 
     from treepack.train.model import Decoder
+    from treepack.train.modes import dfs as dfs_mode
     from treepack.train.modes import make_mode
 
     os.environ["TREEPACK_FA4_REPLAY"] = args.fa4_replay
-    import torch._functorch.config as functorch_config
     from treepack.kernels.tree_attention import fa4
 
-    # costed: the budget partitioner weighs the tree-attention ops by their FLOP formula (kernels/tree_attention/
-    # ops.py) instead of treating them, as custom ops, as free to recompute
-    functorch_config.is_non_builtin_to_include = args.attention_recompute == "costed"
+    from treepack.train import compiled
+
+    # costed (the default): the budget partitioner weighs the tree-attention ops by their FLOP formula
+    # (kernels/tree_attention/ops.py); free: as custom ops, they count as free to recompute
+    compiled.WEIGH_KERNEL_OPS = args.attention_recompute == "costed"
 
     fa4.FA4_BWD_BLOCK_Q = args.fa4_bwd_block_q
     dev = torch.device(args.device)
@@ -286,7 +293,7 @@ def run_gpu(args) -> None:
          f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), random init, "
          f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
          f"token-mean; attention {args.attention} (FA4 launch replay {args.fa4_replay}, backward query blocks of "
-         f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; dfs anchors merged up to {' or '.join(map(str, args.merge_anchors))} tokens, pops merged {' or '.join(args.merge_pops)}; pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
+         f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; BLAS {' or '.join(args.blas)}; gradient sums per call {' or '.join(args.grad_sum)}; dfs anchors merged up to {' or '.join(map(str, args.merge_anchors))} tokens, pops merged {' or '.join(args.merge_pops)}; pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
          f"dense micro-batches <= "
          f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
         f"Command: `{command_line(__file__, sys.argv[1:])}` (model init {init_s:.0f} s).",
@@ -320,16 +327,21 @@ def run_gpu(args) -> None:
             if mode_name == "dense" and n_flat > args.dense_max_flat:
                 results[mode_name] = {"skipped": f"N_flat {n_flat:,} > --dense-max-flat"}
                 continue
-            variants = [(b, k, m, p) for (b, k), m, p in itertools.product(args.dfs, args.merge_anchors,
-                                                                           args.merge_pops)] \
-                if mode_name == "dfs" else [(None, 0, 0, "on")]
+            variants = [(b, k, m, p, g, bl) for (b, k), m, p, g, bl in itertools.product(
+                args.dfs, args.merge_anchors, args.merge_pops, args.grad_sum, args.blas)] \
+                if mode_name == "dfs" else [(None, 0, 0, "on", "on", args.blas[0])]
             if mode_name == "tree":
-                variants = [(c, 0, 0, "on") for c in args.capacity]
-            for block, keep, merge, pops in variants:
+                variants = [(c, 0, 0, "on", "on", args.blas[0]) for c in args.capacity]
+            for block, keep, merge, pops, grad_sum, blas in variants:
+                dfs_mode.SUM_GRADS_AT_ONCE = grad_sum == "on"
+                if blas != "default" and dev.type == "cuda":
+                    torch.backends.cuda.preferred_blas_library(blas)
                 if mode_name == "dfs":
                     label = (f"dfs B={block or 'inf'}" + (f" keep={keep}" if keep else "")
                              + (f" merge={merge}" if len(args.merge_anchors) > 1 else "")
-                             + (f" pops={pops}" if len(args.merge_pops) > 1 else ""))
+                             + (f" pops={pops}" if len(args.merge_pops) > 1 else "")
+                             + (f" grad-sum={grad_sum}" if len(args.grad_sum) > 1 else "")
+                             + (f" {blas}" if len(args.blas) > 1 else ""))
                     label += f" #{sum(1 for k in results if k.startswith(label)) + 1}" if label in results else ""
                 else:
                     label = f"tree C={block}" if mode_name == "tree" else mode_name
@@ -439,13 +451,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--logits-chunk", type=int, default=4096, help="rows of full-vocabulary logits at a time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attention-recompute", default="free", choices=("free", "costed"),
+    ap.add_argument("--attention-recompute", default="costed", choices=("free", "costed"),
                     help="under --activation-memory-budget < 1: free (torch's default for custom ops: the "
                          "attention forward may be recomputed in backward) or costed (weighed by its FLOPs)")
     ap.add_argument("--merge-pops", type=lambda s: s.split(","), default=["on"],
                     help="dfs: consecutive pops of one path in one call (on | off; several: one dfs run each)")
     ap.add_argument("--child-order", default="lex", choices=CHILD_ORDERS,
                     help="DFS order of the dfs and tree packs (treepack.pack.layout.relayout)")
+    ap.add_argument("--blas", default=["default"], type=lambda s: s.split(","),
+                    help="torch.backends.cuda.preferred_blas_library for the matmuls: default, cublas, cublaslt "
+                         "(a list runs each, switched in one process)")
+    ap.add_argument("--grad-sum", default=["on"], type=lambda s: s.split(","),
+                    help="dfs: sum each call's parameter gradients with one multi-tensor add (on) or let autograd "
+                         "add per parameter (off); a list runs each")
     ap.add_argument("--fa4-replay", default="on", choices=("on", "off", "check"),
                     help="FA4 launch replay (TREEPACK_FA4_REPLAY): on, off, or checked against FA4 on every call")
     ap.add_argument("--fa4-bwd-block-q", type=int, default=128, choices=(128, 80),

@@ -120,6 +120,11 @@ def test_dfs_benchmark_cpu_smoke(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TREEPACK_FA4_REPLAY", "on")  # the benchmark sets both for its run: restored after
     monkeypatch.setattr(fa4, "FA4_BWD_BLOCK_Q", fa4.FA4_BWD_BLOCK_Q)
+    from treepack.train import compiled
+    from treepack.train.modes import dfs as dfs_mode
+
+    monkeypatch.setattr(compiled, "WEIGH_KERNEL_OPS", compiled.WEIGH_KERNEL_OPS)
+    monkeypatch.setattr(dfs_mode, "SUM_GRADS_AT_ONCE", dfs_mode.SUM_GRADS_AT_ONCE)
     out = tmp_path / "dfs.md"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -130,7 +135,7 @@ def test_dfs_benchmark_cpu_smoke(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     text = out.read_text()
-    assert "(FA4 launch replay off, backward query blocks of 128 rows); attention recompute free; dfs anchors merged up to 512 tokens, pops merged on; pack child order largest-first; Python gc freeze" in text
+    assert "(FA4 launch replay off, backward query blocks of 128 rows); attention recompute costed; BLAS default; gradient sums per call on; dfs anchors merged up to 512 tokens, pops merged on; pack child order largest-first; Python gc freeze" in text
     n_tree = int(re.search(r"N_tree ([\d,]+),", text).group(1).replace(",", ""))
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| dfs B=2048 | 1 | ")]
     assert n_tree <= 2048 and len(rows) == 1  # the whole forest fits one block: one model call

@@ -68,7 +68,7 @@ def test_compiled_layer_with_tree_kernel_matches_eager():
 BUDGET_SCRIPT = textwrap.dedent("""
     import importlib, json, sys
     import numpy as np, torch
-    import torch._functorch.config as functorch_config
+    from treepack.train import compiled
     sys.path.insert(0, {tests!r})
     from test_equivalence import make_pack, random_sequences
     from treepack.train.losses import BatchTotals, LossRows, Objective
@@ -88,7 +88,7 @@ BUDGET_SCRIPT = textwrap.dedent("""
     rows = LossRows.from_pack(pack)
     for costed in (False, True):
         torch._dynamo.reset()
-        functorch_config.is_non_builtin_to_include = costed
+        compiled.WEIGH_KERNEL_OPS = costed
         model = Decoder.random_init(args, seed=0, dtype=torch.float32)
         model.compile, model.activation_memory_budget = "on", 0.5
         for _ in range(2):  # the first step compiles
@@ -102,8 +102,9 @@ BUDGET_SCRIPT = textwrap.dedent("""
 
 def test_a_costed_tree_kernel_is_saved_not_recomputed_under_a_memory_budget():
     """Under an activation memory budget, torch's partitioner treats a custom op as free to recompute unless
-    ``is_non_builtin_to_include`` is set; then it weighs the op by its FLOP formula (kernels/tree_attention/
-    ops.py) and keeps the attention output: one forward launch per layer, not one more in the backward."""
+    ``is_non_builtin_to_include`` is set; treepack sets it (``compiled.WEIGH_KERNEL_OPS``, the default), so the
+    partitioner weighs the op by its FLOP formula (kernels/tree_attention/ops.py) and keeps the attention
+    output: one forward launch per layer, not one more in the backward."""
     pytest.importorskip("triton", reason="triton is not installed")
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="1", TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")

@@ -344,6 +344,31 @@ def test_dfs_equals_dense_with_pops_merged(model, seed, block, kind):
         assert out.metrics["peak_graph_tokens"] <= block
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_multi_tensor_add_per_call_sums_the_same_bits(monkeypatch, dtype):
+    """`_GradSum`: each call's gradients are set aside and added with one ``torch._foreach_add_`` instead of
+    autograd's add per parameter. Same ``old + new`` per element, so the gradients are bit for bit those of
+    autograd's own accumulation, also on top of gradients an earlier pack of the step left in ``.grad``."""
+    from treepack.train.modes import dfs as dfs_mode
+
+    net = Decoder.random_init(tiny_model_args(VOCAB), seed=1, dtype=dtype)
+    packs = [make_pack(random_sequences(seed, n=8, grow=12), seed) for seed in (5, 6)]
+    objective = Objective(kind="grpo", clip_low=0.1, clip_high=0.1)
+    grads = {}
+    for at_once in (False, True):
+        monkeypatch.setattr(dfs_mode, "SUM_GRADS_AT_ONCE", at_once)
+        net.zero_grad(set_to_none=True)
+        calls = 0
+        for pack in packs:
+            rows = LossRows.from_pack(pack)
+            out = make_mode("dfs", dfs_block_size=12)(net, pack, rows, objective, BatchTotals.of([rows]))
+            calls += out.metrics["model_calls"]
+        assert calls > len(packs) + 2  # several calls per pack: the sums are exercised
+        grads[at_once] = {n: p.grad.clone() for n, p in net.named_parameters()}
+    for name, g in grads[True].items():
+        assert torch.equal(g, grads[False][name]), name
+
+
 def test_dfs_equals_dense_with_behaviour_logprobs_and_kl(model):
     import dataclasses
 

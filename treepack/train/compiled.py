@@ -81,6 +81,9 @@ def compiled(fn: Callable) -> Callable:
     return out
 
 
+WEIGH_KERNEL_OPS = True  # False: custom kernel ops count as free to recompute (torch's default; for A/B runs)
+
+
 def activation_memory_budget(budget: float) -> contextlib.AbstractContextManager:
     """Compile under this activation memory budget (torch's min-cut partitioner: the share of the saved
     activations a compiled forward keeps for its backward; below 1 it recomputes cheap ops instead).
@@ -88,15 +91,18 @@ def activation_memory_budget(budget: float) -> contextlib.AbstractContextManager
     Why: a DFS call's graph is most of its memory (~10 GiB of 16.6 for an 8k-token Qwen3-0.6B call); at 0.7 a
     tau-bench step took 13.1 GiB instead of 16.6, 1.15x the time (H200, results/2026-11-21-dfs-matched-h200.md).
     The budget is read when a graph is compiled, the first call of each input signature; graphs already
-    compiled in the process keep the budget they were compiled under. Below 1 torch also recomputes the
-    tree-attention op's forward in backward (a custom op counts as free to recompute unless functorch's
-    ``is_non_builtin_to_include`` is set; then its FLOP formula weighs it): ~11% of a dfs step's kernel time
-    at 0.7 (results/2026-11-25-dfs-memory-h200.md)."""
+    compiled in the process keep the budget they were compiled under.
+
+    The tree-attention ops are weighed by their FLOP formulas (``kernels/tree_attention/ops.py``; functorch's
+    ``is_non_builtin_to_include``): as custom ops they would otherwise count as free to recompute, and the
+    partitioner re-ran the attention forward in backward, ~11% of a dfs step's kernel time at 0.7
+    (results/2026-11-25-dfs-memory-h200.md). Weighed, a tau-bench dfs step at 0.7 took 1.04 s instead of
+    1.15-1.18 s at 12.66 GiB instead of 11.87 (1x H100, results/2026-11-26-dfs-host-h100.md)."""
     if budget >= 1.0:
         return contextlib.nullcontext()
     import torch._functorch.config as functorch_config
 
-    return functorch_config.patch(activation_memory_budget=budget)
+    return functorch_config.patch(activation_memory_budget=budget, is_non_builtin_to_include=WEIGH_KERNEL_OPS)
 
 
 def use_compiled(mode: str, device: torch.device, dtype: torch.dtype) -> bool:

@@ -23,19 +23,19 @@ once is one call's (``block_size`` tokens) plus the kept pieces (``keep_tokens``
 the tree. A call's peak is the start of its backward, the loss's, with the whole graph alive: the
 log-prob backward works in vocabulary blocks, in place, so it adds ~0.6 GiB there instead of 2.0 GiB.
 
-Time. Each step is a full model call, so its host-side cost matters: ~1,800 kernel launches per call for
-Qwen3-0.6B (28 layers, one compiled graph per layer) plus FA4's launches, replayed per call shape; the
+Time. Each step is a full model call, so its host-side cost matters: ~2,100 kernel launches per call for
+Qwen3-0.6B (28 layers, one compiled graph per layer, FA4's launches replayed per call shape); the
 per-call path has no host sync (tests/test_host_sync_gpu.py), yet a call of a few thousand tokens does not
-hide it. On an H200 a tau-bench step (144 records, B=8192, budget 0.7, 11 calls, attention auto) took
-1.05-1.16 s at 11.87 GiB; the host queued its work for 97% of that while the GPU was busy 0.94 s, less
-than tree mode's 0.97 s for the same records (benchmarks/results/2026-11-25-dfs-memory-h200.md).
+hide it. So the schedule makes few calls (anchors merged into grad calls, pops of one path merged), the
+attention forward is not recomputed under a memory budget, and each call's parameter gradients are summed
+with one multi-tensor add (`_GradSum`). On an H100 a tau-bench step (144 records, B=8192, budget 0.7, 10
+calls, attention auto) took 0.995-1.007 s at 12.66 GiB, the GPU busy ~0.85-0.94 s of it
+(benchmarks/results/2026-11-26-dfs-host-h100.md).
 Prefer the largest block the memory allows: a smaller one anchors each leaf's tail beyond one block and
-adds calls (B=6144: 19 calls, 1.88 s; B=4096: 28 calls, 27% of the tokens anchored, 2.53 s;
+adds calls (B=6144: 19 calls, 1.88 s; B=4096: 28 calls, 27% of the tokens anchored, 2.53 s on an H200;
 2026-11-25-dfs-host-bound-h200.md); where memory is short, ``train.activation_memory_budget`` below 1 lets
 the compiled layers recompute instead of saving, which costs less than a smaller block; a larger block at
-a lower budget makes fewer calls (B=16384 at 0.4: 6 calls) but needed 17.27 GiB. Those timings predate
-anchor merging (``merge_anchor_tokens``), which takes the same step to 10 calls: its 8-token anchor now
-rides along in the grad call before it.
+a lower budget makes fewer calls (B=16384 at 0.4: 6 calls) but needed 17.27 GiB.
 
 Legend: T pack tokens, C tokens of a step, X targets of a step, U target tokens of the pack, R loss
 rows, L layers, P cached path rows, K kv heads, E head dim, D hidden size.
@@ -130,6 +130,47 @@ class _PathCache:
 
     def clear(self, lo: int, hi: int) -> None:
         self.grad_2LPKE[:, :, lo:hi].zero_()
+
+
+SUM_GRADS_AT_ONCE = True  # False: autograd adds into each .grad itself (the A/B baseline of benchmarks/dfs.py)
+
+
+class _GradSum:
+    """Sums each call's parameter gradients into ``.grad`` with one multi-tensor add per call instead of one
+    add kernel per parameter.
+
+    Why: a dfs step back-propagates many calls, and after the first each of them made autograd add into
+    every existing ``.grad`` separately: 2,489 of the 23,406 kernels of a tau-bench step (144 records,
+    B=8192), each a launch the host-bound step waits for (results/2026-11-26-dfs-host-h100.md). With the
+    gradients set aside, autograd hands each call's fresh gradient over without a kernel, and
+    ``torch._foreach_add_`` adds them all at once: the same ``old + new`` per element, so bit for bit the
+    same sums. Only plain parameters: FSDP2's sharded ones keep their own accumulation.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        # FSDP2's parameters are DTensors (type DTensor, not Parameter): their gradients are left alone
+        plain = SUM_GRADS_AT_ONCE and all(type(p) is torch.nn.Parameter for p in params)
+        self.params = params if plain else []
+        self.held: list[Tensor | None] = []
+
+    def __enter__(self) -> None:
+        self.held = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def __exit__(self, *exc) -> None:
+        old, new = [], []
+        for p, held in zip(self.params, self.held):
+            if held is None:
+                continue
+            if p.grad is not None:
+                old.append(held)
+                new.append(p.grad)
+            p.grad = held
+        if old and exc[0] is None:
+            torch._foreach_add_(old, new)
+        self.held = []
 
 
 class _Targets:
@@ -264,6 +305,7 @@ class _Traversal:
         self.cache: _PathCache | None = None
         self.kept: dict[int, tuple[Tensor | None, list[KV]]] = {}  # lo -> (loss, K/V) of a kept segment
         self.contexts: dict[int, AttentionContext] = {}
+        self.grad_sum = _GradSum(model)
         self.work = {"grad_tokens": 0, "anchor_tokens": 0, "backward_tokens": 0, "model_calls": 0}
         self.live = self.peak_live = 0  # tokens whose graph is alive (kept segments + the current call)
 
@@ -410,7 +452,7 @@ class _Traversal:
             outs += kv_outs
             grads += kv_grads
         if outs:
-            with torch.autocast(self.dev.type, enabled=False):
+            with torch.autocast(self.dev.type, enabled=False), self.grad_sum:
                 torch.autograd.backward(outs, grads)
             self.work["backward_tokens"] += step.n_own
         if step.kv_grad:
