@@ -259,14 +259,13 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
 def run_gpu(args) -> None:
     import torch
 
+    from treepack.train import compiled
     from treepack.train.model import Decoder
     from treepack.train.modes import dfs as dfs_mode
     from treepack.train.modes import make_mode
 
     os.environ["TREEPACK_FA4_REPLAY"] = args.fa4_replay
     from treepack.kernels.tree_attention import fa4
-
-    from treepack.train import compiled
 
     # costed (the default): the budget partitioner weighs the tree-attention ops by their FLOP formula
     # (kernels/tree_attention/ops.py); free: as custom ops, they count as free to recompute
@@ -417,6 +416,19 @@ def _vs_tree_same_memory(res: dict, trees: list[dict]) -> str:
     return ratio(min(fits) if fits else None, res["seconds"])
 
 
+def _choices(*allowed: str):
+    """A comma-separated list of values from ``allowed`` (each runs as its own variant)."""
+
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad)}: not one of {', '.join(allowed)}")
+        return values
+
+    return parse
+
+
 def _dfs_variants(text: str) -> list[tuple[int, int]]:
     out = []
     for item in text.split(","):
@@ -454,14 +466,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--attention-recompute", default="costed", choices=("free", "costed"),
                     help="under --activation-memory-budget < 1: free (torch's default for custom ops: the "
                          "attention forward may be recomputed in backward) or costed (weighed by its FLOPs)")
-    ap.add_argument("--merge-pops", type=lambda s: s.split(","), default=["on"],
+    ap.add_argument("--merge-pops", type=_choices("on", "off"), default=["on"],
                     help="dfs: consecutive pops of one path in one call (on | off; several: one dfs run each)")
     ap.add_argument("--child-order", default="lex", choices=CHILD_ORDERS,
                     help="DFS order of the dfs and tree packs (treepack.pack.layout.relayout)")
-    ap.add_argument("--blas", default=["default"], type=lambda s: s.split(","),
-                    help="torch.backends.cuda.preferred_blas_library for the matmuls: default, cublas, cublaslt "
-                         "(a list runs each, switched in one process)")
-    ap.add_argument("--grad-sum", default=["on"], type=lambda s: s.split(","),
+    ap.add_argument("--blas", default=["default"], type=_choices("default", "cublas", "cublaslt"),
+                    help="torch.backends.cuda.preferred_blas_library for the matmuls: cublas, cublaslt (a list runs "
+                         "each, switched in one process), or default (torch's, left as the run before set it)")
+    ap.add_argument("--grad-sum", default=["on"], type=_choices("on", "off"),
                     help="dfs: sum each call's parameter gradients with one multi-tensor add (on) or let autograd "
                          "add per parameter (off); a list runs each")
     ap.add_argument("--fa4-replay", default="on", choices=("on", "off", "check"),
