@@ -3,6 +3,8 @@
 What it measures, in one run on one GPU (bf16, Hq 16 x D 128, Hkv 8 by default), fwd+bwd:
 - ``tree/fa4``: `tree_attention(impl="fa4")`, FlashAttention-4's CuTe DSL kernels with 128 x 128 block
   sparsity and a mask_mod over ``subtree_end`` (optional extra ``treepack[fa4]``);
+  (``tree/fa4-headmajor`` / ``tree/fa4-headsfast``: its Hopper backward in FA4's own grid order / heads
+  fastest, instead of the per-pack choice; ``tree/fa4-bwd80``: 80-row backward query blocks);
 - ``tree/triton``: our Triton kernel (library tiles, pinned);
 - ``tree/flex``: FlexAttention (Triton template) with the same mask;
 - ``dense/sdpa-cudnn``, ``dense/sdpa-flash``: torch's SDPA, one causal call per root-to-leaf sequence of the
@@ -117,6 +119,7 @@ def run_pack(name: str, se_np: np.ndarray, heads: int, kv_heads: int, dim: int, 
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     pairs_tree, pairs_dense = visible_pairs(se), int((lengths * (lengths + 1) // 2).sum())
     info = prepare(se)
+    info.cache["host_subtree_end"] = torch.from_numpy(se_np)  # as tree mode has it: fa4 picks its grid order
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(T, h, dim, device=dev, dtype=torch.bfloat16, generator=g) for h in (heads, kv_heads, kv_heads))
     dout = torch.randn(T, heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
@@ -127,16 +130,20 @@ def run_pack(name: str, se_np: np.ndarray, heads: int, kv_heads: int, dim: int, 
            "pairs_dense": pairs_dense, "ms": {}, "fwd_ms": {}, "err": {}, "failed": {}}
     with torch.no_grad():
         ref = tree_attention(*(t.detach() for t in inputs), info, impl="triton")
-    tree = {"tree/fa4": "fa4", "tree/fa4-bwd80": "fa4", "tree/triton": "triton", "tree/flex": "flex"}
+    tree = {"tree/fa4": "fa4", "tree/fa4-bwd80": "fa4", "tree/fa4-headmajor": "fa4", "tree/fa4-headsfast": "fa4",
+            "tree/fa4-heads4": "fa4", "tree/triton": "triton", "tree/flex": "flex"}
+    orders = {"tree/fa4-headmajor": "fa4", "tree/fa4-headsfast": "heads-fast", "tree/fa4-heads4": "heads-4"}
     for runner in runners:
         try:
             if runner in tree:
                 block_q = 80 if runner.endswith("bwd80") else 128
+                order = orders.get(runner, "auto")
 
-                def fn(q_, k_, v_, impl=tree[runner], block_q=block_q):
+                def fn(q_, k_, v_, impl=tree[runner], block_q=block_q, order=order):
                     from treepack.kernels.tree_attention import fa4
 
                     fa4.FA4_BWD_BLOCK_Q = block_q  # the backward's query blocks (fa4 only)
+                    fa4.FA4_BWD_ORDER = order  # the backward grid's order (fa4 on Hopper only)
                     return tree_attention(q_, k_, v_, info, impl=impl)
 
                 ins, d = inputs, dout

@@ -703,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(as packed) or largest-first (fewer partial FA4 blocks on ToolBench)")
     ap.add_argument("--adamw", default="auto", choices=("auto", "foreach"),
                     help="auto: make_optimizer's choice (fused on CUDA); foreach: the multi-tensor loop")
+    ap.add_argument("--fa4-bwd-order", default="auto", choices=("auto", "fa4", "heads-fast", "heads-4"),
+                    help="FA4's Hopper backward grid order: auto (per pack), fa4 (the library's), heads-fast")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="markdown report (rewritten after each job)")
     ap.add_argument("--json-out", type=Path, default=None, help="raw results (JSON), rewritten per job")
@@ -714,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("CUDA is not available: use --device cpu (a smoke run)")
     started = time.perf_counter()
+    from treepack.kernels.tree_attention import fa4
+
+    fa4.FA4_BWD_ORDER = args.fa4_bwd_order
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -736,7 +741,8 @@ def main(argv: list[str] | None = None) -> int:
                f"gradient clipping 1.0, AdamW ({args.adamw}); dense micro-batches <= {parse_size(args.dense_tokens):,} flat "
                f"tokens; {args.repeats} timed steps after one warm-up (fewer when a step takes over "
                f"{args.max_step_seconds:g} s), median"),
-              f"- tree packs: tokens in `{args.child_order}` DFS order (`--child-order`, `data.child_order`)"]
+              (f"- tree packs: tokens in `{args.child_order}` DFS order (`--child-order`, `data.child_order`); "
+               f"FA4 backward grid order {args.fa4_bwd_order}")]
     bench = Bench(args, device, autocast_dtype, log)
 
     def flush() -> None:

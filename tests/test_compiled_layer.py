@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent("""
         rel = max(float((grads_compiled[n] - g).abs().max()) / max(float(g.abs().max()), 1e-12)
                   for n, g in grads_eager.items())
         print(json.dumps({{"mode": mode, "loss_eager": loss_eager, "loss_compiled": loss_compiled,
-                          "grad_rel": rel, "fused": layer_with_tree_kernel in compiled_mod._compiled}}))
+                          "grad_rel": rel, "fused": (layer_with_tree_kernel, True) in compiled_mod._compiled}}))
 """)
 
 

@@ -127,3 +127,49 @@ def test_visible_pair_flops_counts_fwd_and_bwd():
     se = random_subtree_end(300, seed=1)
     pairs = visible_pairs(se)
     assert backends.visible_pair_flops(pairs, 16, 128) == 3.5 * 4 * pairs * 128 * 16
+
+
+def _star(prefix: int, branches: int, length: int) -> torch.Tensor:
+    """A shared prefix (a chain) and ``branches`` leaves of ``length`` tokens under its last token."""
+    T = prefix + branches * length
+    se = [T] * prefix
+    for b in range(branches):
+        end = prefix + (b + 1) * length
+        se += [end] * length
+    return torch.tensor(se, dtype=torch.int32)
+
+
+def _with_host(se: torch.Tensor):
+    from treepack.kernels import prepare
+
+    info = prepare(se)
+    info.cache["host_subtree_end"] = se  # what AttentionContext.tree(..., host=) leaves on a CUDA pack
+    return info
+
+
+def test_heads_fast_is_chosen_for_a_prefix_every_query_sees_not_for_a_chain(monkeypatch):
+    """One long CTA per prefix key block (it sees every query) makes FA4's head-major grid end on a tail;
+    a causal chain's work falls off evenly and keeps FA4's order. The choice is Hopper's only, and needs
+    the host copy (no sync per call)."""
+    from treepack.kernels import prepare
+
+    star = fa4.fa4_tail_share(_with_host(_star(2048, 300, 100)))
+    chain = fa4.fa4_tail_share(_with_host(torch.full((32768,), 32768, dtype=torch.int32)))
+    assert fa4.predicted_tail(star, 16) >= fa4.HEADS_FAST_AT > fa4.predicted_tail(chain, 16)
+    assert fa4.fa4_tail_share(_with_host(_star(2048, 300, 100)), prefix_len=512) is None  # a dfs call
+    assert fa4.fa4_tail_share(prepare(_star(2048, 300, 100))) is None  # no host copy
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(fa4, "_arch_major", lambda index: 9)
+    assert (fa4.bwd_order(star, 16, cuda), fa4.bwd_order(chain, 16, cuda), fa4.bwd_order(None, 16, cuda)) == (1, 0, 0)
+    monkeypatch.setattr(fa4, "FA4_BWD_ORDER", "heads-fast")
+    assert fa4.bwd_order(chain, 16, cuda) == 1
+    monkeypatch.setattr(fa4, "_arch_major", lambda index: 10)  # Blackwell: its own backward kernel
+    assert fa4.bwd_order(star, 16, cuda) == 0
+    assert fa4.bwd_order(star, 16, torch.device("cpu")) == 0
+
+
+def test_tail_share_is_cached_on_the_pack():
+    info = _with_host(_star(1024, 40, 50))
+    first = fa4.fa4_tail_share(info)
+    info.cache[("fa4-tail", fa4.FA4_BWD_BLOCK_Q)] = -1.0
+    assert first > 0 and fa4.fa4_tail_share(info) == -1.0

@@ -87,6 +87,39 @@ def test_fa4_backward_on_80_row_query_blocks(tree, P, monkeypatch):
     _close_to_reference(tree, 8, P)
 
 
+@pytest.mark.parametrize("tree", ["random_1025", "chain_4096", "star_500_siblings"])
+@pytest.mark.parametrize("P", [0, 300])
+@pytest.mark.parametrize("order", ["fa4", "heads-fast", "heads-4"])
+def test_fa4_backward_in_either_grid_order(tree, P, order, monkeypatch):
+    from treepack.kernels.tree_attention import fa4
+
+    monkeypatch.setattr(fa4, "FA4_BWD_ORDER", order)
+    _close_to_reference(tree, 8, P)
+
+
+def test_heads_fast_backward_is_the_library_order_bit_for_bit_on_dk_dv():
+    """Same tiles, same sums per CTA: dK and dV (written once per CTA) equal FA4's own order's bit for bit;
+    dQ (float32 atomics from many CTAs) within rounding."""
+    from treepack.kernels.tree_attention import fa4
+
+    se = TREES["random_1025"]().cuda()
+    T, H, K, D = se.numel(), 16, 8, 128
+    q, k, v, _, _ = make_qkv(T, H, K, D, dtype=torch.bfloat16, seed=5, P=0, device="cuda")
+    dout = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    info = prepare(se)
+    got = {}
+    for order in fa4.FA4_BWD_ORDERS:
+        fa4.FA4_BWD_ORDER = order
+        try:
+            got[order] = _grads(lambda *t: tree_attention(*t, info, impl="fa4"), [q, k, v], dout)
+        finally:
+            fa4.FA4_BWD_ORDER = "auto"
+    b = got["fa4"]
+    for a in (got["heads-fast"], got["heads-4"]):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+        assert torch.allclose(a[1].float(), b[1].float(), rtol=0, atol=2 ** -6 * float(b[1].abs().max()))
+
+
 @pytest.mark.parametrize("P", [0, 129])
 def test_fa4_launch_replay_matches_fa4_and_the_reference(P, monkeypatch):
     """Five calls of one shape: plain, recorded, three replays, each checked against FA4's own path

@@ -8,15 +8,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import rollouts_from
+from torch import Tensor
 
 from treepack.errors import ConfigError, TreepackError
 from treepack.pack.layout import build_pack
+from treepack.train import losses
 from treepack.train.losses import (
     BatchTotals,
     LossRows,
     Objective,
     group_advantages,
     row_weights,
+    static_rows,
     target_logprobs,
     token_weights_fast,
     vocab_block,
@@ -64,6 +67,40 @@ def test_vocab_block_bounds_the_logits_of_a_block(rows, vocab, chunk):
     blocks = -(-vocab // b)
     assert blocks <= max(1, -(-rows // chunk))  # no more blocks than the forward has chunks
     assert rows * b <= max(rows, chunk) * vocab + rows * 128  # a block's logits <= a chunk's (+ rounding)
+
+
+@given(rows=st.integers(0, 20_000), chunk=st.integers(1, 20_000))
+def test_static_rows_is_the_smallest_quarter_power_of_the_chunk_that_holds_the_rows(rows, chunk):
+    rows = min(rows, chunk)
+    sizes = [chunk]
+    while sizes[-1] // 4 >= losses.MIN_STATIC_ROWS:
+        sizes.append(sizes[-1] // 4)
+    fits = [s for s in sizes if s >= max(rows, min(chunk, losses.MIN_STATIC_ROWS))]
+    assert static_rows(rows, chunk) == min(fits)
+
+
+@settings(max_examples=30, deadline=None)
+@given(R=st.integers(0, 300), V=st.integers(1, 300), chunk=st.integers(1, 400), seed=st.integers(0, 2**16))
+def test_padded_compiled_forward_matches_the_plain_one(R, V, chunk, seed):
+    """The compiled forward (chunks padded to static row counts, stale rows dropped) run eagerly: the same
+    log-probs as the plain forward, bit for bit, and the same gradients; the buffer starts as NaN so a stale
+    row leaking into a real one would show."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(R, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(V, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, V, (R,), generator=g)
+    coef = torch.randn(R, dtype=torch.float64, generator=g)
+    plain = target_logprobs(h, w, t, chunk_rows=chunk)
+    real_empty = Tensor.new_empty
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(losses, "pick", lambda fn, enabled, dynamic=True: fn)
+        patch.setattr(Tensor, "new_empty", lambda self, *size, **kw: real_empty(self, *size, **kw).fill_(float("nan")))
+        padded = target_logprobs(h, w, t, chunk_rows=chunk, compiled=True)
+        assert torch.equal(padded, plain)
+        if R:
+            for a, b in zip(torch.autograd.grad((coef * padded).sum(), (h, w)),
+                            torch.autograd.grad((coef * plain).sum(), (h, w))):
+                assert torch.equal(a, b)
 
 
 def test_target_logprobs_gradcheck_and_repeated_rows():

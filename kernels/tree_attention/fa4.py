@@ -37,6 +37,7 @@ blocks, N key blocks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -49,8 +50,9 @@ from .blocks import TreeMaskInfo
 from .fa4_replay import LaunchReplay, ReplayStats
 from .ops import register_kernel_ops
 
-__all__ = ["FA4_BLOCK", "FA4_DTYPES", "FA4_HEAD_DIMS", "fa4_importable", "fa4_supported_device", "fa4_tables",
-           "fa4_unsupported_reason", "tree_attention_fa4"]
+__all__ = ["FA4_BLOCK", "FA4_BWD_ORDERS", "FA4_DTYPES", "FA4_HEAD_DIMS", "bwd_order", "fa4_importable",
+           "fa4_supported_device", "fa4_tables", "fa4_tail_share", "fa4_unsupported_reason", "predicted_tail",
+           "tree_attention_fa4"]
 
 FA4_BLOCK = 128  # FA4's Hopper forward tile (hdim 128) and the block-sparsity granularity it requires there
 # The backward's query blocks: FA4's Hopper backward runs 64-row tiles on 128-row sparse blocks, 80-row tiles
@@ -67,11 +69,22 @@ _IMPORT_ERROR: list[str] = []
 @functools.cache
 def _fa4():
     """FA4's entry points and our mask_mod, imported on first use (the import itself takes ~10 s)."""
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+    return _flash_attn_fwd, _flash_attn_bwd, BlockSparseTensorsTorch, _tree_mask_mod("")
+
+
+@functools.cache
+def _tree_mask_mod(variant: str):
+    """The mask_mod: key n visible to query m iff ``n - P <= m < key_end[n]``. A non-empty ``variant`` names
+    a kernel built differently around the same mask (FA4 keys its compile caches, in memory and on disk, by
+    the mask_mod's hash, not by our scheduler): it is mixed into the hash."""
+    import hashlib
+
     import cutlass
     from cutlass import cute
     from flash_attn.cute import utils
-    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
     @cute.jit
     def tree_mask_mod(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
@@ -80,7 +93,105 @@ def _fa4():
         offset = utils.scalar_to_ssa(seqlen_info.seqlen_k - seqlen_info.seqlen_q, cutlass.Int32)
         return (n_idx <= m_idx + offset) & (m_idx < end)
 
-    return _flash_attn_fwd, _flash_attn_bwd, BlockSparseTensorsTorch, tree_mask_mod
+    if variant:
+        base = utils.hash_callable(tree_mask_mod, set_cute_hash=False)
+        tree_mask_mod.__cute_hash__ = hashlib.sha256(f"{base}:{variant}".encode()).hexdigest()
+    return tree_mask_mod
+
+
+@functools.cache
+def _heads_fast_scheduler(group: int = 0):
+    """FA4's one-tile-per-CTA scheduler with the heads varying fastest along the grid.
+
+    Why: the Hopper backward runs one CTA per (key block, head) and loops over the key block's visible query
+    blocks, so a key block of a shared prefix (seen by every query) is a long CTA and a key block in a short
+    branch a short one. FA4's grid puts the key blocks fastest and the heads slowest, so the last head's
+    long CTAs start only when ~15/16 of the work has started and run alone at the end. A list-scheduling
+    model over 132 SMs puts ToolBench's one-forest 32K packs at 1.26-1.44x their balanced time in FA4's
+    order and 1.00-1.01x heads fastest; measured (1x H100), FA4's time in that training step went from 0.151
+    to 0.119 s. Heads fastest also spreads each head's queries over fewer concurrent CTAs (less L2 reuse):
+    on a tau2-think pack, where the model predicts little tail, its backward was 1.17-1.21x slower; groups
+    of 4 heads (``group=4``) sit between the two (results/2026-11-26-fa4-bwd-order-h100.md)."""
+    import cutlass
+    from cutlass import cute
+    from flash_attn.cute.tile_scheduler import SingleTileScheduler
+
+    class HeadsFastScheduler(SingleTileScheduler):
+        @staticmethod
+        def get_grid_shape(params, *, loc=None, ip=None):
+            assert params.cluster_shape_mn == (1, 1), "heads-fast order is for one-CTA clusters"
+            return (params.num_block * params.num_head * params.num_splits, cutlass.Int32(1), params.num_batch)
+
+        @staticmethod
+        def create(params, ctx=None, *, loc=None, ip=None):
+            x, _, batch = cute.arch.block_idx()
+            if group:  # groups of `group` heads one after another, heads fastest within a group
+                per_group = params.num_block * group
+                first, r = (x // per_group) * group, x % per_group
+                return HeadsFastScheduler(params, (r // group, first + r % group, batch), loc=loc, ip=ip)
+            heads = params.num_head * params.num_splits
+            return HeadsFastScheduler(params, (x // heads, x % heads, batch), loc=loc, ip=ip)
+
+        def __new_from_mlir_values__(self, values):
+            base = super().__new_from_mlir_values__(values)
+            out = HeadsFastScheduler(base.params, base._blk_coord, loc=self._loc)
+            out._is_first_block = self._is_first_block
+            return out
+
+    return HeadsFastScheduler
+
+
+@functools.cache
+def _arch_major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+FA4_BWD_ORDERS = ("fa4", "heads-fast", "heads-4")  # op argument bwd_order: the index; heads-4: groups of 4 heads
+FA4_BWD_ORDER = "auto"  # the backward grid's order on Hopper: auto (per pack, `bwd_order`) or one of FA4_BWD_ORDERS
+HEADS_FAST_AT = 1.2  # auto: heads fastest when FA4's order is predicted to take >= this x the balanced time
+
+
+def predicted_tail(tail_share: float, heads: int) -> float:
+    """FA4's order over a balanced schedule, predicted: the last head's CTAs start when (H - 1) / H of the
+    work has started, so its longest CTA ends ``c_max`` after that (``tail_share`` = c_max x SMs / sum of
+    c over one head's CTAs). Measured against a list-scheduling simulation of the same block lists:
+    ToolBench packs 1.51 / 1.34 (simulated 1.44 / 1.26), tau2-think 1.09 (1.07), tau-bench 1.05 (1.05)."""
+    return max(1.0, (heads - 1) / heads + tail_share / heads)
+
+
+def bwd_order(tail_share: float | None, heads: int, device: torch.device) -> int:
+    """The backward grid order (an index of FA4_BWD_ORDERS) for a call: `FA4_BWD_ORDER` if set, else
+    heads fastest where FA4's own order is predicted to run >= HEADS_FAST_AT x the balanced time.
+
+    Why per pack: heads fastest took FA4's time in a ToolBench one-forest training step from 0.151 to 0.119 s
+    (1x H100), but made a tau2-think pack's fwd+bwd 1.17-1.21x slower (its work is balanced; FA4's order
+    keeps a head's queries in L2), results/2026-11-26-fa4-bwd-order-h100.md. Hopper only (sm100 has its own
+    kernel)."""
+    if device.type != "cuda" or _arch_major(device.index) != 9:
+        return 0
+    if FA4_BWD_ORDER != "auto":
+        return FA4_BWD_ORDERS.index(FA4_BWD_ORDER)
+    if tail_share is None:
+        return 0
+    return int(predicted_tail(tail_share, heads) >= HEADS_FAST_AT)
+
+
+@contextlib.contextmanager
+def _bwd_grid_order(order: str):
+    """FA4's Hopper backward built with ``order``'s scheduler while this is open (it reads the scheduler
+    when it compiles; a compiled kernel keeps its own grid and block decoding, so kernels of either order
+    are exact)."""
+    if order == "fa4":
+        yield
+        return
+    import flash_attn.cute.flash_bwd_sm90 as sm90
+
+    library = sm90.SingleTileScheduler
+    sm90.SingleTileScheduler = _heads_fast_scheduler(4 if order == "heads-4" else 0)
+    try:
+        yield
+    finally:
+        sm90.SingleTileScheduler = library
 
 
 def fa4_importable() -> bool:
@@ -174,6 +285,27 @@ def fa4_tables(subtree_end: Tensor | TreeMaskInfo, prefix_len: int = 0, *,
     return out
 
 
+def fa4_tail_share(subtree_end: Tensor | TreeMaskInfo, prefix_len: int = 0, *,
+                   bwd_block_q: int | None = None) -> float | None:
+    """`predicted_tail`'s ``tail_share`` of a pack's backward block lists, from the host copy of
+    ``subtree_end`` a TreeMaskInfo carries (``cache["host_subtree_end"]``, set by `AttentionContext.tree`'s
+    ``host``), once per pack. None without one, and with a cached prefix: deciding would cost a host sync per
+    call (dfs calls, and `tree_attention` called on device tensors alone keep FA4's order)."""
+    info = subtree_end if isinstance(subtree_end, TreeMaskInfo) else None
+    if prefix_len or info is None or "host_subtree_end" not in info.cache:
+        return None
+    bwd_block_q = FA4_BWD_BLOCK_Q if bwd_block_q is None else int(bwd_block_q)
+    key = ("fa4-tail", bwd_block_q)
+    if key not in info.cache:
+        tables = fa4_tables(info.cache["host_subtree_end"], 0, bwd_block_q=bwd_block_q)  # on the host
+        # a CTA's work: its 64-row query tiles (two per 128-row block; a partial block's mask costs ~1.5x) + 1
+        cost_N = 2 * (tables[7][0, 0].float() + 1.5 * tables[5][0, 0].float()) + 1.0  # full, partial blocks
+        dev = info.device
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+        info.cache[key] = float(cost_N.max() * sms / cost_N.sum())
+    return info.cache[key]
+
+
 def _sparse(tables: tuple[Tensor, ...], bwd_block_q: int):
     BST = _fa4()[2]
     fwd = BST(mask_block_cnt=tables[0], mask_block_idx=tables[1], full_block_cnt=tables[2],
@@ -203,7 +335,7 @@ def fa4_replay_stats() -> tuple[ReplayStats, ReplayStats]:
 def _fwd(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | None, prefix_v: Tensor | None,
          key_end: Tensor, fcnt: Tensor, fidx: Tensor, ffull_cnt: Tensor, ffull_idx: Tensor,
          bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float, bwd_block_q: int,
-         ) -> tuple[Tensor, Tensor]:
+         bwd_order: int) -> tuple[Tensor, Tensor]:
     """Forward: (out [T, Hq, D], lse [Hq, T] float32)."""
     q4, k4, v4 = q[None], _keys(k, prefix_k)[None], _keys(v, prefix_v)[None]
     out4, lse3 = torch.empty_like(q4), q.new_empty(1, q.shape[1], q.shape[0], dtype=torch.float32)
@@ -220,7 +352,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | None, prefix_v: Ten
 
 
 def _fwd_fake(q, k, v, prefix_k, prefix_v, key_end, fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt,
-              bfull_idx, scale, bwd_block_q):
+              bfull_idx, scale, bwd_block_q, bwd_order):
     T, H, _ = q.shape
     return torch.empty_like(q), q.new_empty(H, T, dtype=torch.float32)
 
@@ -228,19 +360,26 @@ def _fwd_fake(q, k, v, prefix_k, prefix_v, key_end, fcnt, fidx, ffull_cnt, ffull
 def _bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | None, prefix_v: Tensor | None,
          out: Tensor, lse: Tensor, key_end: Tensor, fcnt: Tensor, fidx: Tensor, ffull_cnt: Tensor,
          ffull_idx: Tensor, bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float,
-         bwd_block_q: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward: (dq, dk, dv, dprefix_k, dprefix_v); the prefix grads are [0, Hkv, D] without a prefix."""
+         bwd_block_q: int, bwd_order: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward: (dq, dk, dv, dprefix_k, dprefix_v); the prefix grads are [0, Hkv, D] without a prefix.
+    ``bwd_order``: the grid order, an index of `FA4_BWD_ORDERS` (`bwd_order` picks it)."""
     q4, k4, v4 = q[None], _keys(k, prefix_k)[None], _keys(v, prefix_v)[None]
     out4, do4, lse3 = out[None], grad_out.contiguous()[None], lse[None]
     dq4, dk4, dv4 = torch.empty_like(q4), torch.empty_like(k4), torch.empty_like(v4)
 
-    def run():
-        _, fa_bwd, _, mask_mod = _fa4()
-        _, bwd = _sparse((fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt, bfull_idx), bwd_block_q)
-        fa_bwd(q4, k4, v4, out4, do4, lse3, softmax_scale=scale, causal=False, mask_mod=mask_mod,
-               aux_tensors=[key_end], block_sparse_tensors=bwd, dq=dq4, dk=dk4, dv=dv4)
+    order = FA4_BWD_ORDERS[bwd_order]
+    if order == "heads-4" and q.shape[1] % 4:
+        order = "heads-fast"  # groups of 4 need a multiple of 4 heads
 
-    _REPLAY_BWD(("bwd", scale, bwd_block_q),
+    def run():
+        fa_bwd = _fa4()[1]
+        _, bwd = _sparse((fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt, bfull_idx), bwd_block_q)
+        with _bwd_grid_order(order):
+            fa_bwd(q4, k4, v4, out4, do4, lse3, softmax_scale=scale, causal=False,
+                   mask_mod=_tree_mask_mod("" if order == "fa4" else order),
+                   aux_tensors=[key_end], block_sparse_tensors=bwd, dq=dq4, dk=dk4, dv=dv4)
+
+    _REPLAY_BWD(("bwd", scale, bwd_block_q, order),
                 (q4, k4, v4, out4, do4, lse3, dq4, dk4, dv4, key_end, bcnt, bidx, bfull_cnt, bfull_idx), run,
                 outputs=(dq4, dk4, dv4))
     dq, dk, dv = dq4[0], dk4[0], dv4[0]
@@ -251,7 +390,7 @@ def _bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | N
 
 
 def _bwd_fake(grad_out, q, k, v, prefix_k, prefix_v, out, lse, key_end, fcnt, fidx, ffull_cnt, ffull_idx, bcnt,
-              bidx, bfull_cnt, bfull_idx, scale, bwd_block_q):
+              bidx, bfull_cnt, bfull_idx, scale, bwd_block_q, bwd_order):
     K, D = k.shape[1], k.shape[2]
     dpk = torch.empty_like(prefix_k) if prefix_k is not None else k.new_empty(0, K, D)
     dpv = torch.empty_like(prefix_v) if prefix_v is not None else v.new_empty(0, K, D)
@@ -259,27 +398,29 @@ def _bwd_fake(grad_out, q, k, v, prefix_k, prefix_v, out, lse, key_end, fcnt, fi
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, prefix_k, prefix_v, *tables, scale, bwd_block_q = inputs
+    q, k, v, prefix_k, prefix_v, *tables, scale, bwd_block_q, bwd_order = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse, *tables)
     ctx.scale = scale
     ctx.bwd_block_q = bwd_block_q
+    ctx.bwd_order = bwd_order
     ctx.has_prefix = prefix_k is not None
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, prefix_k, prefix_v, out, lse, *tables = ctx.saved_tensors
     dq, dk, dv, dpk, dpv = torch.ops.treepack.tree_attention_fa4_bwd(grad_out, q, k, v, prefix_k, prefix_v, out,
-                                                                      lse, *tables, ctx.scale, ctx.bwd_block_q)
+                                                                      lse, *tables, ctx.scale, ctx.bwd_block_q,
+                                                                      ctx.bwd_order)
     if not ctx.has_prefix:
         dpk = dpv = None
-    return dq, dk, dv, dpk, dpv, *([None] * 9), None, None
+    return dq, dk, dv, dpk, dpv, *([None] * 9), None, None, None
 
 
 tree_attention_fa4_fwd, tree_attention_fa4_bwd = register_kernel_ops(
     "tree_attention_fa4",
     "Tensor key_end, Tensor fcnt, Tensor fidx, Tensor ffull_cnt, Tensor ffull_idx, Tensor bcnt, Tensor bidx, "
-    "Tensor bfull_cnt, Tensor bfull_idx, float scale, int bwd_block_q",
+    "Tensor bfull_cnt, Tensor bfull_idx, float scale, int bwd_block_q, int bwd_order",
     fwd=_fwd, fwd_fake=_fwd_fake, bwd=_bwd, bwd_fake=_bwd_fake, backward=_backward, setup_context=_setup_context,
     dispatch_key="CUDA")
 
@@ -299,8 +440,9 @@ def tree_attention_fa4(
     P = 0 if prefix_k is None else prefix_k.shape[0]
     bwd_block_q = FA4_BWD_BLOCK_Q
     tables = fa4_tables(subtree_end, P, bwd_block_q=bwd_block_q)
+    order = bwd_order(fa4_tail_share(subtree_end, P, bwd_block_q=bwd_block_q), H, q.device)
     if prefix_k is not None:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     out, _ = tree_attention_fa4_fwd(q.contiguous(), k.contiguous(), v.contiguous(), prefix_k, prefix_v, *tables,
-                                    float(scale), bwd_block_q)
+                                    float(scale), bwd_block_q, order)
     return out

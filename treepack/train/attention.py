@@ -41,7 +41,7 @@ class KernelSchedule:
 
     op: str  # "triton" (treepack::tree_attention_fwd) | "fa4" (treepack::tree_attention_fa4_fwd)
     tensors: tuple[Tensor, ...]  # triton: blocks.TreeMaskInfo's schedule; fa4: fa4.fa4_tables (key_end, block lists)
-    config: list[int]  # triton: KernelConfig.as_list(); fa4: [the backward's query block rows]
+    config: list[int]  # triton: KernelConfig.as_list(); fa4: [backward query block rows, backward grid order]
 
 
 @dataclass
@@ -62,22 +62,33 @@ class AttentionContext:
     segments: tuple[tuple[int, int, Tensor], ...] = ()  # reference backend: (start, end, local subtree_end)
 
     @classmethod
-    def tree(cls, subtree_end_T: Tensor, impl: str = "auto") -> AttentionContext:
-        """Tree attention over one pack; prepares the kernel's block schedule once when it will be used."""
+    def tree(cls, subtree_end_T: Tensor, impl: str = "auto", *, host: np.ndarray | None = None) -> AttentionContext:
+        """Tree attention over one pack; prepares the kernel's block schedule once when it will be used.
+
+        ``host``: the same ``subtree_end`` on the host, when the caller has it: the checks and per-pack
+        numbers are then computed there, with no host sync, so the host can queue this pack while the GPU
+        still runs the previous one."""
         from treepack.kernels import prepare
+        from treepack.kernels.tree_attention.blocks import check_subtree_end_values
 
         if impl not in ATTENTION_IMPLS or impl == "sdpa":
             raise ConfigError(f"tree attention impl must be auto, reference, flex, triton or fa4, got {impl!r}")
         subtree_end_T = subtree_end_T.to(torch.int32)
-        # The schedule validates k < subtree_end[k] <= T (one sync) and lets the GPU backends skip
-        # masked blocks; the reference backend (auto off CUDA) reads subtree_end directly, one call per
-        # run of independent trees since its cost grows with the square of a call's tokens.
+        # The schedule validates k < subtree_end[k] <= T (one sync, or none with ``host``) and lets the GPU
+        # backends skip masked blocks; the reference backend (auto off CUDA) reads subtree_end directly, one
+        # call per run of independent trees since its cost grows with the square of a call's tokens.
         if subtree_end_T.device.type == "cuda" and impl != "reference":
-            info = prepare(subtree_end_T)
+            if host is None:
+                info = prepare(subtree_end_T)
+            else:
+                host_T = torch.from_numpy(np.ascontiguousarray(host, dtype=np.int32))
+                check_subtree_end_values(host_T)
+                info = prepare(subtree_end_T, validate=False)
+                info.cache["host_subtree_end"] = host_T  # for per-pack choices (fa4.fa4_tail_share)
             if impl == "auto":  # the pack's visible pairs size its calls for pick_backend (one more sync)
                 from treepack.kernels import visible_pairs
 
-                info.cache["pairs"] = visible_pairs(info)
+                info.cache["pairs"] = visible_pairs(info if host is None else host_T)
             return cls(kind="tree", impl=impl, mask=info)
         segments = _independent_segments(subtree_end_T) if impl in ("auto", "reference") else ()
         return cls(kind="tree", impl=impl, mask=subtree_end_T, segments=segments)
@@ -120,8 +131,9 @@ class AttentionContext:
             if dtype not in fa4.FA4_DTYPES or head_dim not in fa4.FA4_HEAD_DIMS or T <= fa4.FA4_BLOCK:
                 return None  # the eager path reports what is unsupported; one block: Dynamo would specialise it
             block_q = fa4.FA4_BWD_BLOCK_Q  # read at call time: benchmarks switch it
+            order = fa4.bwd_order(fa4.fa4_tail_share(self.mask, prefix_len, bwd_block_q=block_q), heads, device)
             return KernelSchedule(op="fa4", tensors=fa4.fa4_tables(self.mask, prefix_len, bwd_block_q=block_q),
-                                  config=[block_q])
+                                  config=[block_q, order])
         if op != "triton":
             return None
         from treepack.kernels.tree_attention.api import TRITON_DTYPES, TRITON_HEAD_DIMS, _triton_importable

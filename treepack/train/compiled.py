@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-_compiled: dict[Callable, Callable] = {}
+_compiled: dict[tuple[Callable, bool], Callable] = {}
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:
@@ -39,15 +39,19 @@ def _recompile_limit_errors() -> tuple[type[BaseException], ...]:
     return (exc.FailOnRecompileLimitHit,) if hasattr(exc, "FailOnRecompileLimitHit") else ()
 
 
-def compiled(fn: Callable) -> Callable:
-    """The compiled twin of ``fn`` (built once, shared by every caller).
+def compiled(fn: Callable, dynamic: bool = True) -> Callable:
+    """The compiled twin of ``fn`` (built once per ``dynamic``, shared by every caller).
+
+    ``dynamic=False`` compiles one graph per input shape: for a function its callers feed a few fixed
+    shapes, so each shape gets the kernel configuration Inductor tunes for it (a dynamic graph keeps the
+    one tuned at its first launch, whatever the shapes after).
 
     Compilation happens at the first call of each new input signature, before anything is computed;
     if it fails there (no working compiler toolchain, an unsupported torch/triton pair), ``fn`` runs
     eagerly from then on, with one warning, instead of the training run stopping: same results, slower."""
-    out = _compiled.get(fn)
+    out = _compiled.get((fn, dynamic))
     if out is None:
-        fast = torch.compile(fn, dynamic=True, fullgraph=True)
+        fast = torch.compile(fn, dynamic=dynamic, fullgraph=True)
         broken: list[BaseException] = []
         over_limit: list[BaseException] = []
 
@@ -77,7 +81,7 @@ def compiled(fn: Callable) -> Callable:
                 )
                 return fn(*args, **kwargs)
 
-        _compiled[fn] = out
+        _compiled[(fn, dynamic)] = out
     return out
 
 
@@ -114,5 +118,5 @@ def use_compiled(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype != torch.float64
 
 
-def pick(fn: Callable, enabled: bool) -> Callable:
-    return compiled(fn) if enabled else fn
+def pick(fn: Callable, enabled: bool, dynamic: bool = True) -> Callable:
+    return compiled(fn, dynamic) if enabled else fn

@@ -326,12 +326,15 @@ def train(
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss, tokens, flops, extra, work = 0.0, 0, 0.0, {}, {}
+            # No host sync until the step's end (the loss is summed on the device, the norm read after the
+            # optimizer step): the host queues the next pack while the GPU still runs the one before.
+            loss_sum, tokens, flops, extra, work = None, 0, 0.0, {}, {}
             for pack, row in zip(batch, rows):
                 with autocast:
                     out = mode(model, pack, row, objective, totals)
                 out.backward()
-                loss += out.loss.item()
+                pack_loss = out.loss.detach().double()  # float64, as the float sum it replaces
+                loss_sum = pack_loss if loss_sum is None else loss_sum + pack_loss
                 tokens += out.forward_tokens
                 predicted = out.predicted_tokens
                 if predicted is None:
@@ -346,12 +349,12 @@ def train(
                         extra[k] = extra.get(k, 0.0) + v / len(batch)
             extra.update(work)
             if cfg.train.grad_clip > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip))
+                norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
             else:
-                grad_norm = float(torch.linalg.vector_norm(
-                    torch.stack([p.grad.detach().norm() for p in params if p.grad is not None])))
+                norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params if p.grad is not None]))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            grad_norm, loss = float(norm), float(loss_sum) if loss_sum is not None else 0.0
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = max(time.perf_counter() - t0, 1e-9)

@@ -37,11 +37,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from treepack.errors import ConfigError, InputError, TreepackError
 from treepack.pack.layout import Pack
 from treepack.train.compiled import pick
+from treepack.train.transfer import to_device
 
 LOSSES = ("sft", "grpo")
 NORMALIZATIONS = ("token", "sequence")
@@ -64,6 +66,50 @@ def _chunk_logprobs(logits_CV: Tensor, target_C: Tensor, acc: torch.dtype) -> tu
     logits_CV = logits_CV.to(acc)
     lse_C = torch.logsumexp(logits_CV, dim=-1)
     return lse_C, logits_CV.gather(1, target_C[:, None])[:, 0] - lse_C
+
+
+MIN_STATIC_ROWS = 64
+STATIC_CHUNKS = True  # False: one dynamic-shape graph for every chunk (the A/B baseline of benchmarks/logprobs.py)
+
+
+def static_rows(rows: int, chunk: int) -> int:
+    """Rows a compiled forward chunk of ``rows`` rows is computed over: the smallest of ``chunk``,
+    ``chunk / 4``, ``chunk / 16``, ... (at least `MIN_STATIC_ROWS`) that holds them.
+
+    Why: compiled with dynamic shapes, the log-sum-exp reduction keeps the launch configuration Inductor
+    picked for its first launch, whatever the row counts after. In one dfs process that kernel took 80 ms of
+    a 1.0 s step (3.2 ms a launch), in another under 11 ms; with static shapes it was not among a profiled
+    step's 16 longest kernels (< 9 ms), and 4 full 1,024-row chunks took 3.00 ms against 3.37-3.73 ms
+    dynamic (1x H100, results/2026-11-26-logprob-chunks-dfs-h100.md). Each static shape is tuned at its
+    own size."""
+    size = max(chunk, 1)
+    while size // 4 >= max(rows, MIN_STATIC_ROWS):
+        size //= 4
+    return size
+
+
+def _padded_chunk_logprobs(h_RD: Tensor, w_VD: Tensor, target_R: Tensor, chunk: int, acc: torch.dtype,
+                           lse_R: Tensor, logp_R: Tensor) -> None:
+    """The compiled forward: each chunk's logits written into a buffer of `static_rows` rows, so the
+    compiled reduction sees a few static shapes. Rows past the chunk's own hold stale values; each row is
+    reduced on its own and those results are dropped."""
+    R, V = h_RD.shape[0], w_VD.shape[0]
+    if R == 0:
+        return
+    logprobs = pick(_chunk_logprobs, True, dynamic=False)
+    last = R - (R - 1) // chunk * chunk
+    padded_R = R - last + static_rows(last, chunk)
+    target_P = F.pad(target_R, (0, padded_R - R))
+    buffer_SV: Tensor | None = None
+    with torch.autocast(h_RD.device.type, enabled=False):  # an out= matmul; inputs are already cast
+        for r0 in range(0, R, chunk):
+            C = min(chunk, R - r0)
+            S = static_rows(C, chunk)
+            if buffer_SV is None or buffer_SV.shape[0] != S:
+                buffer_SV = h_RD.new_empty(S, V)
+            torch.mm(h_RD[r0 : r0 + C], w_VD.T, out=buffer_SV[:C])
+            lse_S, logp_S = logprobs(buffer_SV, target_P[r0 : r0 + S], acc)
+            lse_R[r0 : r0 + C], logp_R[r0 : r0 + C] = lse_S[:C], logp_S[:C]
 
 
 def _block_grad_logits_(logits_RB: Tensor, lse_R: Tensor, g_R: Tensor, target_R: Tensor, v0: int) -> None:
@@ -133,11 +179,14 @@ class _TargetLogProb(torch.autograd.Function):
         R = h_RD.shape[0]
         logp_R = torch.empty(R, dtype=acc, device=h_RD.device)
         lse_R = torch.empty(R, dtype=acc, device=h_RD.device)
-        logprobs = pick(_chunk_logprobs, compiled)
-        for r0 in range(0, R, chunk):
-            lse_R[r0 : r0 + chunk], logp_R[r0 : r0 + chunk] = logprobs(
-                h_RD[r0 : r0 + chunk] @ w_VD.T, target_R[r0 : r0 + chunk], acc
-            )
+        if compiled and STATIC_CHUNKS:
+            _padded_chunk_logprobs(h_RD, w_VD, target_R, chunk, acc, lse_R, logp_R)
+        else:
+            logprobs = pick(_chunk_logprobs, compiled)
+            for r0 in range(0, R, chunk):
+                lse_R[r0 : r0 + chunk], logp_R[r0 : r0 + chunk] = logprobs(
+                    h_RD[r0 : r0 + chunk] @ w_VD.T, target_R[r0 : r0 + chunk], acc
+                )
         ctx.save_for_backward(hidden_RD, weight_VD, target_R, lse_R)
         ctx.chunk, ctx.mm, ctx.compiled = chunk, mm, compiled
         return logp_R
@@ -271,13 +320,13 @@ class Objective:
 
     def row_tensors(self, rows: LossRows, totals: BatchTotals, *, device, dtype) -> dict[str, Tensor]:
         """The per-row inputs of `loss` as tensors (weights, advantages, behaviour log-probs)."""
-        out = {"weight_R": torch.as_tensor(row_weights(rows, totals, self.normalization), dtype=dtype, device=device)}
+        out = {"weight_R": to_device(row_weights(rows, totals, self.normalization), device, dtype)}
         if self.kind == "grpo":
             if rows.advantage_S is None:
                 raise TreepackError("the grpo loss needs per-sequence advantages; these packs have none")
-            out["advantage_R"] = torch.as_tensor(rows.advantage_S[rows.seq_R], dtype=dtype, device=device)
+            out["advantage_R"] = to_device(rows.advantage_S[rows.seq_R], device, dtype)
             if rows.behaviour_logp_R is not None:
-                out["behaviour_logp_R"] = torch.as_tensor(rows.behaviour_logp_R, dtype=dtype, device=device)
+                out["behaviour_logp_R"] = to_device(rows.behaviour_logp_R, device, dtype)
         return out
 
     def loss(self, logp_R: Tensor, weight_R: Tensor, advantage_R: Tensor | None = None,

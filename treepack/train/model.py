@@ -231,7 +231,7 @@ def layer_with_tree_kernel(x_TD: Tensor, norm_w_D: Tensor, eps: float, q_w: Tens
     if op == "fa4":  # FlashAttention-4 (kernels/tree_attention/fa4.py); its op is registered when fa4_tables ran
         o_THE, _ = torch.ops.treepack.tree_attention_fa4_fwd(q_THE.contiguous(), k_TKE.contiguous(), v_TKE.contiguous(),
                                                              prefix_k, prefix_v, *schedule, 1.0 / math.sqrt(E),
-                                                             config[0])
+                                                             config[0], config[1])
     else:
         o_THE, _ = torch.ops.treepack.tree_attention_fwd(q_THE.contiguous(), k_TKE.contiguous(), v_TKE.contiguous(),
                                                          prefix_k, prefix_v, *schedule, 1.0 / math.sqrt(E), config)

@@ -190,13 +190,14 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
                 g["lr"] = lr
             accumulation.begin()
             t_begin = time.perf_counter()
-            loss, tokens, extra, work = 0.0, 0, {}, {}
+            loss_sum, tokens, extra, work = None, 0, {}, {}
             for pack in share.packs:
                 rows = LossRows.from_pack(pack)
                 with autocast:
                     out = mode(model, pack, rows, objective, share.totals)
                 out.backward()
-                loss += out.loss.item()
+                pack_loss = out.loss.detach().double()  # summed on the device: no host sync between packs
+                loss_sum = pack_loss if loss_sum is None else loss_sum + pack_loss
                 tokens += out.forward_tokens
                 work = merge_work(work, out.metrics)
                 for k, v in out.metrics.items():
@@ -205,6 +206,7 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t_compute = time.perf_counter() - t_begin
+            loss = float(loss_sum) if loss_sum is not None else 0.0
             accumulation.finish()
             norm = grad_norm(params, cfg.train.grad_clip)
             optimizer.step()

@@ -16,6 +16,7 @@ import torch
 from treepack.train.attention import AttentionContext
 from treepack.train.losses import target_logprobs, token_weights_fast
 from treepack.train.modes.base import LayoutError, Mode, ModeResult, row_dtype
+from treepack.train.transfer import to_device
 
 
 class TreeMode(Mode):
@@ -30,10 +31,10 @@ class TreeMode(Mode):
     def __call__(self, model, pack, rows, objective, totals) -> ModeResult:
         dev = model.device
         T = pack.n_tokens
-        ids_T = torch.tensor(np.asarray(pack.input_ids), dtype=torch.long, device=dev)
-        pos_T = torch.tensor(np.asarray(pack.position_ids), dtype=torch.long, device=dev)
-        subtree_end_T = torch.tensor(np.asarray(pack.subtree_end), dtype=torch.int32, device=dev)
-        attn = AttentionContext.tree(subtree_end_T, self.attention)
+        ids_T = to_device(np.asarray(pack.input_ids), dev, torch.long)
+        pos_T = to_device(np.asarray(pack.position_ids), dev, torch.long)
+        subtree_end_T = to_device(np.asarray(pack.subtree_end), dev, torch.int32)
+        attn = AttentionContext.tree(subtree_end_T, self.attention, host=np.asarray(pack.subtree_end))
         hidden_TD = model(ids_T, pos_T, attn).hidden_TD
 
         fast = self.sft_fast_path and objective.kind == "sft"
@@ -47,17 +48,17 @@ class TreeMode(Mode):
         if bad.any():
             u = int(token_U[np.argmax(bad)])
             raise LayoutError(f"pack token {u} is a training target but its parent is {int(parent_U[np.argmax(bad)])}")
-        token_U_t = torch.as_tensor(token_U, device=dev)
-        logp_U = target_logprobs(hidden_TD[torch.as_tensor(parent_U, device=dev)], model.head_weight,
+        token_U_t = to_device(token_U, dev)
+        logp_U = target_logprobs(hidden_TD[to_device(parent_U, dev)], model.head_weight,
                                  ids_T[token_U_t], self.chunk_rows, compiled=model.uses_compiled(dev))
         # Rows gather their token's log-prob: the gather's backward sums shared tokens' gradients.
-        logp_R = logp_U[torch.as_tensor(np.searchsorted(token_U, rows.token_R), device=dev)]
+        logp_R = logp_U[to_device(np.searchsorted(token_U, rows.token_R), dev)]
         rows_dtype = row_dtype(model)
         loss = None
         if fast:
             weight_U = np.zeros(token_U.shape[0], dtype=np.float64)
             weight_U[np.searchsorted(token_U, fast_U)] = fast_w_U
-            loss = -(torch.as_tensor(weight_U, dtype=rows_dtype, device=dev) * logp_U).sum()
+            loss = -(to_device(weight_U, dev, rows_dtype) * logp_U).sum()
             tensors = {}
         else:
             tensors = objective.row_tensors(rows, totals, device=dev, dtype=rows_dtype)
