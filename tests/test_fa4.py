@@ -173,3 +173,16 @@ def test_tail_share_is_cached_on_the_pack():
     first = fa4.fa4_tail_share(info)
     info.cache[("fa4-tail", fa4.FA4_BWD_BLOCK_Q)] = -1.0
     assert first > 0 and fa4.fa4_tail_share(info) == -1.0
+
+
+@pytest.mark.parametrize(("value", "expect"), [("heads-fast", "heads-fast"), (" FA4 ", "fa4"), ("", "auto"),
+                                               ("sideways", "auto")])
+def test_bwd_order_from_the_environment(value, expect):
+    import subprocess
+    import sys
+
+    code = "from treepack.kernels.tree_attention import fa4; print(fa4.FA4_BWD_ORDER)"
+    run = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "TREEPACK_FA4_BWD_ORDER": value})
+    assert run.stdout.strip() == expect
+    assert ("TREEPACK_FA4_BWD_ORDER='sideways' is not auto" in run.stderr) == (value == "sideways")

@@ -28,8 +28,10 @@ so dQ is not bitwise deterministic (like the fused Triton backward).
 
 The registered op (``torch.ops.treepack.tree_attention_fa4_fwd``) keeps FA4 opaque to ``torch.compile`` (a
 compiled decoder layer calls it like the Triton op).
-FA4 compiles its kernels on first use (10-15 s for forward + backward on an H100) and caches them per process;
-``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` keeps them on disk across runs.
+FA4 compiles its kernels on first use (10-15 s for forward + backward on an H100) and caches them per process.
+FA4's ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` keeps them on disk across runs, but with it a second
+`treepack train` on the same machine ran ToolBench steps at 27-31% MFU instead of 44-50% (two machines; without
+it back-to-back runs matched; cause not found, results/2026-11-26-fa4-bwd-order-h100.md): leave it off.
 
 Shape suffixes: T pack tokens, P prefix tokens, S = P + T keys, H query heads, K kv heads, D head dim, M query
 blocks, N key blocks.
@@ -40,7 +42,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +151,13 @@ def _arch_major(index: int | None) -> int:
 
 
 FA4_BWD_ORDERS = ("fa4", "heads-fast", "heads-4")  # op argument bwd_order: the index; heads-4: groups of 4 heads
-FA4_BWD_ORDER = "auto"  # the backward grid's order on Hopper: auto (per pack, `bwd_order`) or one of FA4_BWD_ORDERS
+# the backward grid's order on Hopper: auto (per pack, `bwd_order`) or one of FA4_BWD_ORDERS; the environment's
+# TREEPACK_FA4_BWD_ORDER sets it for a run (`treepack train` has no option of its own for it)
+FA4_BWD_ORDER = os.environ.get("TREEPACK_FA4_BWD_ORDER", "auto").strip().lower() or "auto"
+if FA4_BWD_ORDER not in ("auto", *FA4_BWD_ORDERS):
+    warnings.warn(f"TREEPACK_FA4_BWD_ORDER={FA4_BWD_ORDER!r} is not auto or one of {', '.join(FA4_BWD_ORDERS)}: "
+                  "using auto", RuntimeWarning, stacklevel=1)
+    FA4_BWD_ORDER = "auto"
 HEADS_FAST_AT = 1.2  # auto: heads fastest when FA4's order is predicted to take >= this x the balanced time
 
 

@@ -221,8 +221,9 @@ _MEASURED_PEAK: dict[int, float] = {}
 
 def _peak_flops(device: torch.device) -> float | None:
     """The bf16 matmul ceiling MFU divides by: measured once per process and GPU (an 8192^3 bf16 matmul on
-    random data, median of 5 after a warm-up, ~50 ms), which is what the hardware delivers (H100 / H200:
-    ~790-800 TFLOP/s against a 989 datasheet peak); the datasheet table only where measuring fails."""
+    random data, median of 20 after 10 warm-ups, ~50 ms: a GPU still at idle clocks would read low and
+    inflate MFU), which is what the hardware delivers (H100 / H200: ~740-800 TFLOP/s against a 989
+    datasheet peak); the datasheet table only where measuring fails."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -230,15 +231,17 @@ def _peak_flops(device: torch.device) -> float | None:
         try:
             a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(10):
+                torch.matmul(a, b)
             times = []
-            for _ in range(6):
+            for _ in range(20):
                 start.record()
                 torch.matmul(a, b)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) / 1e3)
             del a, b
-            _MEASURED_PEAK[index] = 2 * 8192**3 / sorted(times[1:])[2]
+            _MEASURED_PEAK[index] = 2 * 8192**3 / sorted(times)[len(times) // 2]
         except RuntimeError:  # out of memory or no kernel: the datasheet peak
             name = torch.cuda.get_device_name(device)
             peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
@@ -301,6 +304,8 @@ def train(
     if cfg.output.metrics:  # closed in the finally below (the loop body is too long for a with-block)
         metrics_file = open(out_dir / cfg.output.metrics, "a" if start else "w")  # noqa: SIM115
     peak = _peak_flops(device) if autocast_dtype is not None else None
+    if peak:
+        log(f"mfu: model FLOPs over this GPU's bf16 matmul ceiling, measured now: {peak / 1e12:.0f} TFLOP/s")
     autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
     stats_run: list[StepStats] = []
