@@ -186,3 +186,14 @@ def test_bwd_order_from_the_environment(value, expect):
                          env={**__import__("os").environ, "TREEPACK_FA4_BWD_ORDER": value})
     assert run.stdout.strip() == expect
     assert ("TREEPACK_FA4_BWD_ORDER='sideways' is not auto" in run.stderr) == (value == "sideways")
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 700), seed=st.integers(0, 2**16))
+def test_tail_share_counts_the_backward_block_lists(T, seed):
+    """The per-key-block work behind the tail share is what FA4's backward lists (fa4_tables) hold."""
+    se = random_subtree_end(T, seed=seed)
+    info = _with_host(se)
+    tables = fa4.fa4_tables(se, 0)
+    cost_N = 2 * (tables[7][0, 0].float() + 1.5 * tables[5][0, 0].float()) + 1.0
+    assert fa4.fa4_tail_share(info) == pytest.approx(float(cost_N.max() * 132 / cost_N.sum()), rel=1e-6)

@@ -307,9 +307,11 @@ def fa4_tail_share(subtree_end: Tensor | TreeMaskInfo, prefix_len: int = 0, *,
     bwd_block_q = FA4_BWD_BLOCK_Q if bwd_block_q is None else int(bwd_block_q)
     key = ("fa4-tail", bwd_block_q)
     if key not in info.cache:
-        tables = fa4_tables(info.cache["host_subtree_end"], 0, bwd_block_q=bwd_block_q)  # on the host
+        se_T = info.cache["host_subtree_end"]  # on the host: the backward's blocks, counted per key block
+        T = se_T.numel()
+        partial_MN, full_MN = _block_masks(torch.arange(T, dtype=torch.int32), se_T.to(torch.int32), T, bwd_block_q)
         # a CTA's work: its 64-row query tiles (two per 128-row block; a partial block's mask costs ~1.5x) + 1
-        cost_N = 2 * (tables[7][0, 0].float() + 1.5 * tables[5][0, 0].float()) + 1.0  # full, partial blocks
+        cost_N = 2 * (full_MN.sum(0).float() + 1.5 * partial_MN.sum(0).float()) + 1.0
         dev = info.device
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
         info.cache[key] = float(cost_N.max() * sms / cost_N.sum())

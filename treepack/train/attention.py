@@ -85,7 +85,7 @@ class AttentionContext:
                 check_subtree_end_values(host_T)
                 info = prepare(subtree_end_T, validate=False)
                 info.cache["host_subtree_end"] = host_T  # for per-pack choices (fa4.fa4_tail_share)
-            if impl == "auto":  # the pack's visible pairs size its calls for pick_backend (one more sync)
+            if impl == "auto":  # the pack's visible pairs size its calls for pick_backend (a sync without host)
                 from treepack.kernels import visible_pairs
 
                 info.cache["pairs"] = visible_pairs(info if host is None else host_T)
