@@ -62,6 +62,7 @@ AREAL_DTA = ({"seconds": 1.97, "gib": 13.4, "block": 2048}, {"seconds": 1.71, "g
 from treepack.io.ingest import read_rollouts
 from treepack.io.rollouts import Rollouts
 from treepack.pack.layout import CHILD_ORDERS, Pack, build_pack, relayout
+from treepack.train.collector import Pauses
 from treepack.train.data import dense_batches, leaf_sequences, pack_rollouts
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import ModelArgs
@@ -209,9 +210,11 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
     rows = [LossRows.from_pack(p) for p in packs]
     totals = BatchTotals.of(rows)
     cuda = model.device.type == "cuda"
+    pauses = Pauses()  # Python's collections during a step
 
     def step() -> tuple[float, int, dict]:
         model.zero_grad(set_to_none=True)
+        pauses.take()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -224,12 +227,14 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
             work = merge_work(work, out.metrics)
         # host time to queue the step: close to the wall time when the GPU waits for the host
         work["issue_seconds"] = time.perf_counter() - t0
+        work["gc_seconds"], work["gc_full"] = pauses.take()
         if cuda:
             torch.cuda.synchronize()
             # allocations that had to free cached blocks first (cudaFree waits for the whole device)
             work["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
         return time.perf_counter() - t0, torch.cuda.max_memory_allocated() if cuda else 0, work
 
+    pauses.start()
     try:
         step()  # warm-up: Triton compiles and autotunes per block shape
         if gc_mode != "default":  # what the warm-up built (compiled code, caches) is never garbage
@@ -243,12 +248,14 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
         torch.cuda.empty_cache()
         return {"oom": True}
     finally:
+        pauses.stop()
         gc.enable()
         gc.unfreeze()
     out = {"seconds": statistics.median(t for t, _, _ in runs), "peak": max(m for _, m, _ in runs),
            "work": runs[-1][2], "times": [t for t, _, _ in runs],
            "issue": statistics.median(w["issue_seconds"] for _, _, w in runs),
-           "alloc_retries": sum(w.get("alloc_retries", 0) for _, _, w in runs)}
+           "alloc_retries": sum(w.get("alloc_retries", 0) for _, _, w in runs),
+           "gc_seconds": [w["gc_seconds"] for _, _, w in runs], "gc_full": sum(w["gc_full"] for _, _, w in runs)}
     if profile and cuda:
         out["profiled_wall"], out["gpu_busy"], out["kernels"] = gpu_busy(step)
     if cprofile:
@@ -292,7 +299,7 @@ def run_gpu(args) -> None:
          f"{margs.num_kv_heads} kv heads of {margs.head_dim}, vocab {margs.vocab_size:,}, tied), random init, "
          f"{str(model.dtype).removeprefix('torch.')} weights ({weights / 2**30:.2f} GiB) and compute; GRPO, "
          f"token-mean; attention {args.attention} (FA4 launch replay {args.fa4_replay}, backward query blocks of "
-         f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; BLAS {' or '.join(args.blas)}; gradient sums per call {' or '.join(args.grad_sum)}; dfs anchors merged up to {' or '.join(map(str, args.merge_anchors))} tokens, pops merged {' or '.join(args.merge_pops)}; pack child order {args.child_order}; Python gc {args.gc}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
+         f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; BLAS {' or '.join(args.blas)}; gradient sums per call {' or '.join(args.grad_sum)}; dfs anchors merged up to {' or '.join(map(str, args.merge_anchors))} tokens, pops merged {' or '.join(args.merge_pops)}; pack child order {args.child_order}; Python gc {' or '.join(args.gc)}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
          f"dense micro-batches <= "
          f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
         f"Command: `{command_line(__file__, sys.argv[1:])}` (model init {init_s:.0f} s).",
@@ -326,12 +333,12 @@ def run_gpu(args) -> None:
             if mode_name == "dense" and n_flat > args.dense_max_flat:
                 results[mode_name] = {"skipped": f"N_flat {n_flat:,} > --dense-max-flat"}
                 continue
-            variants = [(b, k, m, p, g, bl) for (b, k), m, p, g, bl in itertools.product(
-                args.dfs, args.merge_anchors, args.merge_pops, args.grad_sum, args.blas)] \
-                if mode_name == "dfs" else [(None, 0, 0, "on", "on", args.blas[0])]
+            variants = [(b, k, m, p, g, bl, gm) for (b, k), m, p, g, bl, gm in itertools.product(
+                args.dfs, args.merge_anchors, args.merge_pops, args.grad_sum, args.blas, args.gc)] \
+                if mode_name == "dfs" else [(None, 0, 0, "on", "on", args.blas[0], args.gc[0])]
             if mode_name == "tree":
-                variants = [(c, 0, 0, "on", "on", args.blas[0]) for c in args.capacity]
-            for block, keep, merge, pops, grad_sum, blas in variants:
+                variants = [(c, 0, 0, "on", "on", args.blas[0], args.gc[0]) for c in args.capacity]
+            for block, keep, merge, pops, grad_sum, blas, gc_mode in variants:
                 dfs_mode.SUM_GRADS_AT_ONCE = grad_sum == "on"
                 if blas != "default" and dev.type == "cuda":
                     torch.backends.cuda.preferred_blas_library(blas)
@@ -340,7 +347,8 @@ def run_gpu(args) -> None:
                              + (f" merge={merge}" if len(args.merge_anchors) > 1 else "")
                              + (f" pops={pops}" if len(args.merge_pops) > 1 else "")
                              + (f" grad-sum={grad_sum}" if len(args.grad_sum) > 1 else "")
-                             + (f" {blas}" if len(args.blas) > 1 else ""))
+                             + (f" {blas}" if len(args.blas) > 1 else "")
+                             + (f" gc={gc_mode}" if len(args.gc) > 1 else ""))
                     label += f" #{sum(1 for k in results if k.startswith(label)) + 1}" if label in results else ""
                 else:
                     label = f"tree C={block}" if mode_name == "tree" else mode_name
@@ -350,7 +358,7 @@ def run_gpu(args) -> None:
                                  dfs_merge_anchor_tokens=merge, dfs_merge_pops=pops == "on",
                                  micro_batch_tokens=args.dense_tokens if mode_name.startswith("dense") else None)
                 packs = groups[label if mode_name == "tree" else mode_name]
-                results[label] = measure(model, packs, mode, objective, args.repeats, args.profile, args.gc,
+                results[label] = measure(model, packs, mode, objective, args.repeats, args.profile, gc_mode,
                                          args.cprofile and mode_name == "dfs")
                 results[label]["packs"] = len(packs)
                 print(label, {k: v for k, v in results[label].items() if k != "work"}, flush=True)
@@ -379,7 +387,9 @@ def run_gpu(args) -> None:
                          "allocations that first had to free cached memory (each waits for the device):\n")
             for label, res in timed:
                 out_text += (f"- {label}: queued in {res['issue']:.3f} s of {res['seconds']:.3f} s; steps "
-                             f"{', '.join(f'{t:.3f}' for t in res['times'])}; alloc retries {res['alloc_retries']}\n")
+                             f"{', '.join(f'{t:.3f}' for t in res['times'])}; alloc retries {res['alloc_retries']}; "
+                             f"Python's gc {', '.join(f'{1e3 * t:.0f}' for t in res['gc_seconds'])} ms "
+                             f"({res['gc_full']} full collections)\n")
         for label, res in results.items():
             if "host_profile" in res:
                 out_text += f"\n{label}: {res['host_profile']}"
@@ -480,9 +490,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="FA4 launch replay (TREEPACK_FA4_REPLAY): on, off, or checked against FA4 on every call")
     ap.add_argument("--fa4-bwd-block-q", type=int, default=128, choices=(128, 80),
                     help="query rows per block of FA4's backward block lists")
-    ap.add_argument("--gc", default="default", choices=("default", "freeze", "off"),
+    ap.add_argument("--gc", default=["default"], type=_choices("default", "freeze", "off"),
                     help="Python's garbage collector during the timed steps: as is, everything from the warm-up "
-                         "frozen (gc.freeze), or frozen and disabled")
+                         "frozen (gc.freeze), or frozen and disabled; a list runs each as a dfs variant")
     ap.add_argument("--cprofile", action="store_true", help="one more dfs step under cProfile: host time by function")
     ap.add_argument("--plan-only", action="store_true", help="print the dfs accounting (CPU, no model)")
     ap.add_argument("--profile", action="store_true", help="one more step per run under torch.profiler: GPU busy "

@@ -141,5 +141,6 @@ def test_dfs_benchmark_cpu_smoke(tmp_path, monkeypatch):
     assert n_tree <= 2048 and len(rows) == 1  # the whole forest fits one block: one model call
     calls, graph_tokens = rows[0][-3].strip(), int(rows[0][-2].strip().replace(",", ""))
     assert calls == "1" and 0 < graph_tokens <= n_tree
-    assert re.search(r"- dfs B=2048: queued in [\d.]+ s of [\d.]+ s; steps [\d.]+; alloc retries 0", text)
+    assert re.search(r"- dfs B=2048: queued in [\d.]+ s of [\d.]+ s; steps [\d.]+; alloc retries 0; "
+                     r"Python's gc \d+ ms \(\d+ full collections\)", text)
     assert "dfs B=2048: cProfile of one step" in text and "| function | calls | own s | cumulative s |" in text

@@ -134,15 +134,31 @@ def test_fa4_launch_replay_matches_fa4_and_the_reference(P, monkeypatch):
         assert r1 - r0 >= 3 and f1 == f0, [s.line() for s in fa4.fa4_replay_stats()]
 
 
-def test_compiled_tree_step_with_fa4_is_as_close_as_triton():
+def _long_branches(rng: np.random.Generator) -> list[list[int]]:
+    """A 300-token trunk, branches of 150-250 tokens, and branches off a branch: dfs calls of more than one
+    FA4 block that read a cached prefix."""
+    trunk = rng.integers(0, 13, 300).tolist()
+    seqs = [trunk + rng.integers(0, 13, int(rng.integers(150, 250))).tolist() for _ in range(4)]
+    seqs += [seqs[0][:380] + rng.integers(0, 13, 200).tolist() for _ in range(2)]
+    return seqs
+
+
+@pytest.mark.parametrize("mode_name", ["tree", "dfs"])
+def test_compiled_step_with_fa4_is_as_close_as_triton(mode_name):
+    """A compiled bf16 step with FA4 inside the layer, as close to float64 as Triton's; in dfs mode the calls read
+    a cached prefix, whose dK/dV the autograd formula takes as views of FA4's key gradients."""
     from treepack.train.losses import BatchTotals, LossRows, Objective
     from treepack.train.model import Decoder, ModelArgs
     from treepack.train.modes import make_mode
 
     args = ModelArgs.for_family("qwen3", vocab_size=13, hidden_size=256, intermediate_size=512, num_layers=2,
                                 num_heads=4, num_kv_heads=2, head_dim=64)
-    seqs = random_sequences(np.random.default_rng(3), 24)
-    packs = [make_pack(seqs[:12], 0), make_pack(seqs[12:], 1)]
+    if mode_name == "tree":
+        seqs = random_sequences(np.random.default_rng(3), 24)
+        packs = [make_pack(seqs[:12], 0), make_pack(seqs[12:], 1)]
+    else:
+        packs = [make_pack(_long_branches(np.random.default_rng(5)), 0)]
+    options = {"dfs_block_size": 256} if mode_name == "dfs" else {}
     objective = Objective("grpo", "token")
 
     def step(dtype, attention, compile_mode):
@@ -150,7 +166,7 @@ def test_compiled_tree_step_with_fa4_is_as_close_as_triton():
         model.compile = compile_mode
         rows = [LossRows.from_pack(p) for p in packs]
         totals = BatchTotals.of(rows)
-        mode = make_mode("tree", attention=attention)
+        mode = make_mode(mode_name, attention=attention, **options)
         loss = 0.0
         for p, r in zip(packs, rows):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype != torch.float64):
@@ -161,10 +177,18 @@ def test_compiled_tree_step_with_fa4_is_as_close_as_triton():
 
     ref_loss, ref_grads = step(torch.float64, "reference", "off")
     errs = {}
-    for attention in ("triton", "fa4"):
-        loss, grads = step(torch.float32, attention, "on")
-        errs[attention] = (abs(loss - ref_loss) / abs(ref_loss),
-                           max(float((grads[n] - ref_grads[n]).abs().max()) / max(float(ref_grads[n].abs().max()), 1e-12)
-                               for n in ref_grads))
+    for attention, compile_mode in (("triton", "on"), ("fa4", "on"), ("fa4", "off")):
+        loss, grads = step(torch.float32, attention, compile_mode)
+        errs[attention, compile_mode] = (
+            abs(loss - ref_loss) / abs(ref_loss),
+            max(float((grads[n] - ref_grads[n]).abs().max()) / max(float(ref_grads[n].abs().max()), 1e-12)
+                for n in ref_grads))
+    # FA4's own rounding against Triton's: within 2x in tree mode; over dfs's cached prefixes its bf16 gradient
+    # error measured 2.1x Triton's (0.033 against 0.016 of the largest gradient, 1x H100), so 3x there. An
+    # error in the autograd formula (a prefix's gradient lost or misplaced) is of the order of the gradient.
+    factor = 2 if mode_name == "tree" else 3
+    fa4_on, fa4_off, triton_on = errs["fa4", "on"], errs["fa4", "off"], errs["triton", "on"]
     for i, what in enumerate(("loss", "grad")):
-        assert errs["fa4"][i] <= 2 * errs["triton"][i] + 1e-3, f"{what}: fa4 {errs['fa4'][i]:.3g}, triton {errs['triton'][i]:.3g}"
+        assert fa4_on[i] <= factor * triton_on[i] + 1e-3, f"{what}: fa4 {fa4_on[i]:.3g}, triton {triton_on[i]:.3g}"
+        # the same kernel compiled inside the layer and called eagerly
+        assert fa4_on[i] <= 2 * fa4_off[i] + 1e-3, f"{what}: compiled fa4 {fa4_on[i]:.3g}, eager {fa4_off[i]:.3g}"
