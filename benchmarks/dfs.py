@@ -62,7 +62,7 @@ AREAL_DTA = ({"seconds": 1.97, "gib": 13.4, "block": 2048}, {"seconds": 1.71, "g
 from treepack.io.ingest import read_rollouts
 from treepack.io.rollouts import Rollouts
 from treepack.pack.layout import CHILD_ORDERS, Pack, build_pack, relayout
-from treepack.train.collector import Pauses
+from treepack.train.collector import Pauses, freeze_warmup, thaw
 from treepack.train.data import dense_batches, leaf_sequences, pack_rollouts
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import ModelArgs
@@ -238,8 +238,7 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
     try:
         step()  # warm-up: Triton compiles and autotunes per block shape
         if gc_mode != "default":  # what the warm-up built (compiled code, caches) is never garbage
-            gc.collect()
-            gc.freeze()
+            freeze_warmup()
             if gc_mode == "off":
                 gc.disable()
         runs = [step() for _ in range(repeats)]
@@ -250,7 +249,7 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
     finally:
         pauses.stop()
         gc.enable()
-        gc.unfreeze()
+        thaw()
     out = {"seconds": statistics.median(t for t, _, _ in runs), "peak": max(m for _, m, _ in runs),
            "work": runs[-1][2], "times": [t for t, _, _ in runs],
            "issue": statistics.median(w["issue_seconds"] for _, _, w in runs),

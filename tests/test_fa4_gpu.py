@@ -146,7 +146,7 @@ def _long_branches(rng: np.random.Generator) -> list[list[int]]:
 @pytest.mark.parametrize("mode_name", ["tree", "dfs"])
 def test_compiled_step_with_fa4_is_as_close_as_triton(mode_name):
     """A compiled bf16 step with FA4 inside the layer, as close to float64 as Triton's; in dfs mode the calls read
-    a cached prefix, whose dK/dV the autograd formula takes as views of FA4's key gradients."""
+    a cached prefix, whose dK/dV come back through the op's prefix outputs into the path cache's gradients."""
     from treepack.train.losses import BatchTotals, LossRows, Objective
     from treepack.train.model import Decoder, ModelArgs
     from treepack.train.modes import make_mode
