@@ -176,9 +176,27 @@ def gpu_busy(step, top: int = 16) -> tuple[float, float, str]:
         return "".join(f"| `{name[:90]}` | {len(d)} | {sum(d) / 1e3:.1f} | {sum(d) / busy_us:.1%} |\n"
                        for name, d in sorted(by_name.items(), key=key)[:top])
 
+    kinds: dict[str, list[float]] = {}
+    for name, d in by_name.items():
+        kinds.setdefault(_kernel_kind(name), []).extend(d)
     table = (f"{len(events)} kernels and copies in the step. By GPU time:\n\n{header}{rows(lambda kv: -sum(kv[1]))}"
-             f"\nBy launches (each costs host time):\n\n{header}{rows(lambda kv: -len(kv[1]))}")
+             f"\nBy launches (each costs host time):\n\n{header}{rows(lambda kv: -len(kv[1]))}"
+             "\nBy kind:\n\n| kind | calls | GPU ms | share of busy |\n|---|---|---|---|\n"
+             + "".join(f"| {kind} | {len(d)} | {sum(d) / 1e3:.1f} | {sum(d) / busy_us:.1%} |\n"
+                       for kind, d in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))))
     return wall, busy_us / 1e6, table
+
+
+KERNEL_KINDS = (("attention backward", ("flash_bwd", "FlashAttentionBackward")),
+                ("attention forward", ("flash_fwd", "FlashAttentionForward")),
+                ("matmul", ("nvjet", "gemm", "cutlass", "splitKreduce", "sm90_xmma")),
+                ("fused (Inductor)", ("triton_",)),
+                ("copy / cat / fill / index", ("copy", "Cat", "Fill", "Memset", "memcpy", "Memcpy", "index")),
+                ("elementwise / reduce (eager)", ("elementwise", "reduce_kernel", "multi_tensor_apply")))
+
+
+def _kernel_kind(name: str) -> str:
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in name for m in marks)), "other")
 
 
 def host_profile(step, top: int = 40) -> str:
@@ -232,7 +250,10 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
             torch.cuda.synchronize()
             # allocations that had to free cached blocks first (cudaFree waits for the whole device)
             work["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
-        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() if cuda else 0, work
+            work["reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)  # CUDA graph pools included
+        # dfs's CUDA graphs hold their memory in a pool that max_memory_allocated stops counting once captured
+        peak = torch.cuda.max_memory_allocated() + work.get("graph_pool_bytes", 0) if cuda else 0
+        return time.perf_counter() - t0, peak, work
 
     pauses.start()
     try:
@@ -254,7 +275,9 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
            "work": runs[-1][2], "times": [t for t, _, _ in runs],
            "issue": statistics.median(w["issue_seconds"] for _, _, w in runs),
            "alloc_retries": sum(w.get("alloc_retries", 0) for _, _, w in runs),
-           "gc_seconds": [w["gc_seconds"] for _, _, w in runs], "gc_full": sum(w["gc_full"] for _, _, w in runs)}
+           "gc_seconds": [w["gc_seconds"] for _, _, w in runs], "gc_full": sum(w["gc_full"] for _, _, w in runs),
+           "reserved_gib": max(w.get("reserved_gib", 0.0) for _, _, w in runs),
+           "graph_calls": runs[-1][2].get("graph_calls", 0)}
     if profile and cuda:
         out["profiled_wall"], out["gpu_busy"], out["kernels"] = gpu_busy(step)
     if cprofile:
@@ -278,6 +301,10 @@ def run_gpu(args) -> None:
     compiled.WEIGH_KERNEL_OPS = args.attention_recompute == "costed"
 
     fa4.FA4_BWD_BLOCK_Q = args.fa4_bwd_block_q
+    if args.graph_buckets:
+        from treepack.train.modes import dfs_graphs
+
+        dfs_graphs.TOKEN_BUCKET, dfs_graphs.PREFIX_BUCKET = args.graph_buckets
     dev = torch.device(args.device)
     margs = QWEN3_0_6B if args.model == "qwen3-0.6b" else TINY
     t0 = time.perf_counter()
@@ -304,7 +331,8 @@ def run_gpu(args) -> None:
         f"Command: `{command_line(__file__, sys.argv[1:])}` (model init {init_s:.0f} s).",
         "",
         ("Columns: s/step = forward + backward of the whole workload; tree tok/s = N_tree / s; peak = "
-         "max_memory_allocated over the step (weights and gradients included); anchor = dfs tokens forwarded "
+         "max_memory_allocated over the step (weights and gradients included; with dfs CUDA graphs plus the "
+         "memory their pool reserved); anchor = dfs tokens forwarded "
          "without grad / all its forwarded tokens; calls = model calls of dfs per step."),
         "",
     ]
@@ -332,12 +360,12 @@ def run_gpu(args) -> None:
             if mode_name == "dense" and n_flat > args.dense_max_flat:
                 results[mode_name] = {"skipped": f"N_flat {n_flat:,} > --dense-max-flat"}
                 continue
-            variants = [(b, k, m, p, g, bl, gm) for (b, k), m, p, g, bl, gm in itertools.product(
-                args.dfs, args.merge_anchors, args.merge_pops, args.grad_sum, args.blas, args.gc)] \
-                if mode_name == "dfs" else [(None, 0, 0, "on", "on", args.blas[0], args.gc[0])]
+            variants = [(b, k, m, p, g, bl, gm, cg) for (b, k), m, p, g, bl, gm, cg in itertools.product(
+                args.dfs, args.merge_anchors, args.merge_pops, args.grad_sum, args.blas, args.gc, args.cuda_graphs)] \
+                if mode_name == "dfs" else [(None, 0, 0, "on", "on", args.blas[0], args.gc[0], "off")]
             if mode_name == "tree":
-                variants = [(c, 0, 0, "on", "on", args.blas[0], args.gc[0]) for c in args.capacity]
-            for block, keep, merge, pops, grad_sum, blas, gc_mode in variants:
+                variants = [(c, 0, 0, "on", "on", args.blas[0], args.gc[0], "off") for c in args.capacity]
+            for block, keep, merge, pops, grad_sum, blas, gc_mode, graphs in variants:
                 dfs_mode.SUM_GRADS_AT_ONCE = grad_sum == "on"
                 if blas != "default" and dev.type == "cuda":
                     torch.backends.cuda.preferred_blas_library(blas)
@@ -347,7 +375,8 @@ def run_gpu(args) -> None:
                              + (f" pops={pops}" if len(args.merge_pops) > 1 else "")
                              + (f" grad-sum={grad_sum}" if len(args.grad_sum) > 1 else "")
                              + (f" {blas}" if len(args.blas) > 1 else "")
-                             + (f" gc={gc_mode}" if len(args.gc) > 1 else ""))
+                             + (f" gc={gc_mode}" if len(args.gc) > 1 else "")
+                             + (f" graphs={graphs}" if len(args.cuda_graphs) > 1 else ""))
                     label += f" #{sum(1 for k in results if k.startswith(label)) + 1}" if label in results else ""
                 else:
                     label = f"tree C={block}" if mode_name == "tree" else mode_name
@@ -355,11 +384,16 @@ def run_gpu(args) -> None:
                                  dfs_block_size=block if mode_name == "dfs" else None, dfs_keep_tokens=keep,
                                  chunk_rows=args.logits_chunk, dfs_subtree_calls=not args.walk,
                                  dfs_merge_anchor_tokens=merge, dfs_merge_pops=pops == "on",
+                                 dfs_cuda_graphs=graphs == "on",
                                  micro_batch_tokens=args.dense_tokens if mode_name.startswith("dense") else None)
                 packs = groups[label if mode_name == "tree" else mode_name]
                 results[label] = measure(model, packs, mode, objective, args.repeats, args.profile, gc_mode,
                                          args.cprofile and mode_name == "dfs")
                 results[label]["packs"] = len(packs)
+                g = getattr(mode, "_graphs", None)
+                if g is not None:
+                    results[label]["cuda_graphs"] = {"captures": g.captures, "replays": g.replays, "eager": g.eager,
+                                                     "failed": g.failed}
                 print(label, {k: v for k, v in results[label].items() if k != "work"}, flush=True)
         leaf_s = results.get("dense-leaf", {}).get("seconds")
         trees = [res for label, res in results.items() if label.startswith("tree") and "seconds" in res]
@@ -492,6 +526,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gc", default=["default"], type=_choices("default", "freeze", "off"),
                     help="Python's garbage collector during the timed steps: as is, everything from the warm-up "
                          "frozen (gc.freeze), or frozen and disabled; a list runs each as a dfs variant")
+    ap.add_argument("--cuda-graphs", default=["off"], type=_choices("on", "off"),
+                    help="dfs calls as CUDA graphs (a list: one dfs run per value)")
+    ap.add_argument("--graph-buckets", default=None, type=lambda s: tuple(int(x) for x in s.split(":")),
+                    help="TOKENS:PREFIX: dfs CUDA graphs' call and prefix length buckets (default 256:1024)")
     ap.add_argument("--cprofile", action="store_true", help="one more dfs step under cProfile: host time by function")
     ap.add_argument("--plan-only", action="store_true", help="print the dfs accounting (CPU, no model)")
     ap.add_argument("--profile", action="store_true", help="one more step per run under torch.profiler: GPU busy "

@@ -72,6 +72,33 @@ def test_fa4_tables_cover_exactly_the_visible_blocks(T, P, seed, branch, bwd_q):
             assert bf == {i for i in range(len(full)) if j in full[i]}
 
 
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 400), P=st.sampled_from([128, 300, 1024]), valid=st.floats(0, 1), seed=st.integers(0, 10_000),
+       bwd_q=st.sampled_from(fa4.FA4_BWD_BLOCKS_Q))
+def test_fa4_tables_hide_the_prefix_rows_past_prefix_valid(T, P, valid, seed, bwd_q):
+    """A fixed-shape call (dfs CUDA graphs) reads P prefix rows of which only the first ``prefix_valid`` are
+    real: the tables must give exactly the mask of that shorter prefix, and skip key blocks of hidden rows."""
+    se = random_subtree_end(T, seed=seed, branch=0.05)
+    v = int(valid * P)
+    B = fa4.FA4_BLOCK
+    key_end, pc, pi, fc, fi, bpc, bpi, bfc, bfi = fa4.fa4_tables(se, P, bwd_block_q=bwd_q,
+                                                                  prefix_valid=torch.tensor([v]))
+    mask = tree_mask(se, P)
+    mask[:, v:P] = False  # rows [v, P) of the prefix are seen by no query
+    S = P + T
+    n, m = torch.arange(S), torch.arange(T)
+    assert torch.equal((n[None] - P <= m[:, None]) & (m[:, None] < key_end[:S][None].long()), mask)
+    partial, full = _listed(pc, pi), _listed(fc, fi)
+    _check_grid(mask, partial, full, B, B)
+    hidden_blocks = set(range(-(-v // B), P // B))  # key blocks holding hidden rows only
+    assert not any((p | f) & hidden_blocks for p, f in zip(partial, full))
+    bwd_partial, bwd_full = _listed(bpc, bpi), _listed(bfc, bfi)
+    assert all(not bwd_partial[j] and not bwd_full[j] for j in hidden_blocks)
+    M = -(-T // bwd_q)
+    _check_grid(mask, [{j for j in range(len(bwd_partial)) if i in bwd_partial[j]} for i in range(M)],
+                [{j for j in range(len(bwd_full)) if i in bwd_full[j]} for i in range(M)], bwd_q, B)
+
+
 def test_fa4_tables_reject_an_unsupported_backward_block():
     with pytest.raises(ValueError, match="bwd_block_q must be one of"):
         fa4.fa4_tables(random_subtree_end(50, seed=0), 0, bwd_block_q=96)

@@ -134,6 +134,22 @@ def test_fa4_launch_replay_matches_fa4_and_the_reference(P, monkeypatch):
         assert r1 - r0 >= 3 and f1 == f0, [s.line() for s in fa4.fa4_replay_stats()]
 
 
+def autocast_step(model, mode, packs, objective) -> tuple[float, dict]:
+    """One step of ``mode`` over ``packs`` (bf16 autocast unless the model is float64): the summed loss and
+    every parameter's gradient in float64."""
+    from treepack.train.losses import BatchTotals, LossRows
+
+    rows = [LossRows.from_pack(p) for p in packs]
+    totals = BatchTotals.of(rows)
+    loss = 0.0
+    for p, r in zip(packs, rows):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=model.dtype != torch.float64):
+            out = mode(model, p, r, objective, totals)
+        out.backward()
+        loss += float(out.loss)
+    return loss, {n: p.grad.double() for n, p in model.named_parameters()}
+
+
 def _long_branches(rng: np.random.Generator) -> list[list[int]]:
     """A 300-token trunk, branches of 150-250 tokens, and branches off a branch: dfs calls of more than one
     FA4 block that read a cached prefix."""
@@ -147,7 +163,7 @@ def _long_branches(rng: np.random.Generator) -> list[list[int]]:
 def test_compiled_step_with_fa4_is_as_close_as_triton(mode_name):
     """A compiled bf16 step with FA4 inside the layer, as close to float64 as Triton's; in dfs mode the calls read
     a cached prefix, whose dK/dV come back through the op's prefix outputs into the path cache's gradients."""
-    from treepack.train.losses import BatchTotals, LossRows, Objective
+    from treepack.train.losses import Objective
     from treepack.train.model import Decoder, ModelArgs
     from treepack.train.modes import make_mode
 
@@ -164,16 +180,7 @@ def test_compiled_step_with_fa4_is_as_close_as_triton(mode_name):
     def step(dtype, attention, compile_mode):
         model = Decoder.random_init(args, seed=0, dtype=dtype, device="cuda")
         model.compile = compile_mode
-        rows = [LossRows.from_pack(p) for p in packs]
-        totals = BatchTotals.of(rows)
-        mode = make_mode(mode_name, attention=attention, **options)
-        loss = 0.0
-        for p, r in zip(packs, rows):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype != torch.float64):
-                out = mode(model, p, r, objective, totals)
-            out.backward()
-            loss += float(out.loss)
-        return loss, {n: p.grad.double() for n, p in model.named_parameters()}
+        return autocast_step(model, make_mode(mode_name, attention=attention, **options), packs, objective)
 
     ref_loss, ref_grads = step(torch.float64, "reference", "off")
     errs = {}

@@ -244,7 +244,10 @@ def _compact(mask_RC: Tensor) -> tuple[Tensor, Tensor]:
     col_C = torch.arange(C, device=mask_RC.device, dtype=torch.int32)
     idx_RC = torch.where(mask_RC, col_C, C + col_C).sort(dim=1).values
     idx_RC = torch.where(idx_RC < C, idx_RC, 0).to(torch.int32)
-    return mask_RC.sum(1, dtype=torch.int32)[None, None].contiguous(), idx_RC[None, None].contiguous()
+    # through a flat view: a size-1 dimension (one query block) keeps whatever stride the sort left it, which
+    # `contiguous()` does not touch and FA4 rejects (it requires stride 1 on the last dimension)
+    return (mask_RC.sum(1, dtype=torch.int32).reshape(-1).view(1, 1, -1),
+            idx_RC.contiguous().reshape(-1).view(1, 1, *idx_RC.shape))
 
 
 def _block_masks(lo_S: Tensor, hi_S: Tensor, T: int, block_q: int) -> tuple[Tensor, Tensor]:
@@ -263,24 +266,33 @@ def _block_masks(lo_S: Tensor, hi_S: Tensor, T: int, block_q: int) -> tuple[Tens
 
 
 def fa4_tables(subtree_end: Tensor | TreeMaskInfo, prefix_len: int = 0, *,
-               bwd_block_q: int | None = None) -> tuple[Tensor, ...]:
+               bwd_block_q: int | None = None, prefix_valid: Tensor | None = None) -> tuple[Tensor, ...]:
     """FA4's inputs besides q, k, v for a pack and prefix length: (key_end [S padded to 128], forward block
     lists: partial count, partial index, full count, full index; backward (transposed, query blocks of
     ``bwd_block_q`` rows, default `FA4_BWD_BLOCK_Q`): the same four). Cached on a TreeMaskInfo per prefix
-    length and block size. ~20 small torch ops on the pack's device."""
+    length and block size. ~20 small torch ops on the pack's device.
+
+    ``prefix_valid`` (an int tensor of one element, on the device): only the first ``prefix_valid`` of the
+    ``prefix_len`` prefix keys are visible, the rest are hidden from every query (``key_end = 0``) and their
+    blocks skipped. It lets a call of fixed shape (a CUDA graph) read a prefix of any length up to
+    ``prefix_len`` without a host sync. Not cached (the tables depend on the tensor's value)."""
     bwd_block_q = FA4_BWD_BLOCK_Q if bwd_block_q is None else int(bwd_block_q)
     if bwd_block_q not in FA4_BWD_BLOCKS_Q:
         raise ValueError(f"bwd_block_q must be one of {FA4_BWD_BLOCKS_Q}, got {bwd_block_q}")
     info = subtree_end if isinstance(subtree_end, TreeMaskInfo) else None
     key = ("fa4", int(prefix_len), bwd_block_q)
-    if info is not None and key in info.cache:
+    if info is not None and prefix_valid is None and key in info.cache:
         return info.cache[key]
     se_T = (info.subtree_end_T if info is not None else subtree_end).to(torch.int32)
     T, P, dev = se_T.numel(), int(prefix_len), se_T.device
     S = P + T
     # per key: first query that sees it (lo) and the exclusive end of its queries (hi)
     lo_S = torch.cat([torch.zeros(P, device=dev, dtype=torch.int32), torch.arange(T, device=dev, dtype=torch.int32)])
-    hi_S = torch.cat([torch.full((P,), T, device=dev, dtype=torch.int32), se_T])
+    if prefix_valid is None:
+        hi_P = torch.full((P,), T, device=dev, dtype=torch.int32)
+    else:
+        hi_P = torch.where(torch.arange(P, device=dev) < prefix_valid.reshape(()), T, 0).to(torch.int32)
+    hi_S = torch.cat([hi_P, se_T])
     partial_MN, full_MN = _block_masks(lo_S, hi_S, T, FA4_BLOCK)
     if bwd_block_q != FA4_BLOCK:
         bpartial_MN, bfull_MN = _block_masks(lo_S, hi_S, T, bwd_block_q)
@@ -290,7 +302,7 @@ def fa4_tables(subtree_end: Tensor | TreeMaskInfo, prefix_len: int = 0, *,
     out = (F.pad(hi_S, (0, pad), value=0).contiguous(),
            *_compact(partial_MN), *_compact(full_MN),
            *_compact(bpartial_MN.T.contiguous()), *_compact(bfull_MN.T.contiguous()))
-    if info is not None:
+    if info is not None and prefix_valid is None:
         info.cache[key] = out
     return out
 

@@ -60,6 +60,7 @@ class AttentionContext:
     mask: Any = None  # tree: int32 [T] subtree_end or TreeMaskInfo
     lengths: tuple[int, ...] = ()  # causal: sequence lengths, summing to T
     segments: tuple[tuple[int, int, Tensor], ...] = ()  # reference backend: (start, end, local subtree_end)
+    schedule: KernelSchedule | None = None  # built by the caller (a dfs call graph's masked prefix); else derived
 
     @classmethod
     def tree(cls, subtree_end_T: Tensor, impl: str = "auto", *, host: np.ndarray | None = None) -> AttentionContext:
@@ -114,6 +115,8 @@ class AttentionContext:
         from treepack.kernels.tree_attention.api import _interpreting
         from treepack.kernels.tree_attention.backends import pick_backend
 
+        if self.schedule is not None:
+            return self.schedule
         runs_triton = device.type == "cuda" or (device.type == "cpu" and _interpreting() and self.impl == "triton")
         if self.kind != "tree" or self.impl not in ("auto", "triton", "fa4") or not runs_triton:
             return None

@@ -199,7 +199,8 @@ def build_mode(cfg: RunConfig) -> Mode:
                      speed_table=SpeedTable.load(cfg.train.speed_table) if cfg.train.speed_table else None,
                      **({"dfs_block_size": cfg.train.dfs_block_size, "dfs_keep_tokens": cfg.train.dfs_keep_tokens,
                          "dfs_order": cfg.train.dfs_order, "dfs_subtree_calls": cfg.train.dfs_subtree_calls,
-                         "dfs_merge_anchor_tokens": cfg.train.dfs_merge_anchor_tokens}
+                         "dfs_merge_anchor_tokens": cfg.train.dfs_merge_anchor_tokens,
+                         "dfs_cuda_graphs": cfg.train.dfs_cuda_graphs}
                         if cfg.train.mode == "dfs" else {}))
 
 
@@ -382,7 +383,9 @@ def train(
             stats = StepStats(
                 step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens,
                 flat_tokens=sum(int(np.asarray(p.seq_offsets)[-1]) for p in batch),
-                loss_tokens=totals.loss_tokens, seconds=seconds, mem_gb=_mem_gb(device),
+                loss_tokens=totals.loss_tokens, seconds=seconds,
+                # dfs's CUDA graphs keep their memory in a pool that max_memory_allocated stops seeing
+                mem_gb=_mem_gb(device) + extra.get("graph_pool_bytes", 0) / 1e9,
                 mfu=flops / seconds / peak if peak else None, extra=extra,
             )
             stats_run.append(stats)

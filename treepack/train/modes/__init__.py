@@ -41,6 +41,7 @@ def make_mode(name: str, *, attention: str | None = None, chunk_rows: int = 4096
               sft_fast_path: bool = True, dfs_block_size: int | None = 2048, dfs_keep_tokens: int = 0,
               dfs_order: str = "backward", dfs_subtree_calls: bool = True,
               dfs_merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS, dfs_merge_pops: bool = True,
+              dfs_cuda_graphs: bool = False,
               micro_batch_tokens: int | None = None, speed_table: SpeedTable | None = None) -> Mode:
     """A mode by name. ``attention`` None picks its default: the dense modes sdpa (for "auto" too), tree, dfs
     and auto's tree part the tree kernel's auto. ``micro_batch_tokens``: the dense modes' micro-batch bound
@@ -49,7 +50,7 @@ def make_mode(name: str, *, attention: str | None = None, chunk_rows: int = 4096
         return DfsMode(attention or "auto", chunk_rows=chunk_rows, block_size=dfs_block_size,
                        keep_tokens=dfs_keep_tokens, order=dfs_order, sft_fast_path=sft_fast_path,
                        subtree_calls=dfs_subtree_calls, merge_anchor_tokens=dfs_merge_anchor_tokens,
-                       merge_pops=dfs_merge_pops)
+                       merge_pops=dfs_merge_pops, cuda_graphs=dfs_cuda_graphs)
     if name in ("dense", "dense-leaf"):
         return DenseMode("sdpa" if attention in (None, "auto") else attention, chunk_rows=chunk_rows,
                          leaves=name == "dense-leaf", micro_batch_tokens=micro_batch_tokens)

@@ -31,6 +31,9 @@ attention forward is not recomputed under a memory budget, and each call's param
 with one multi-tensor add (`_GradSum`). On an H100 a tau-bench step (144 records, B=8192, budget 0.7, 10
 calls, attention auto) took 0.995-1.007 s at 12.66 GiB, the GPU busy ~0.85-0.94 s of it
 (benchmarks/results/2026-11-26-dfs-host-h100.md).
+With ``cuda_graphs`` (`train.dfs_cuda_graphs`, `dfs_graphs`) each call shape is captured once and replayed:
+the host queues a step in ~0.8 s of ~0.98, but the step is then GPU-bound at 1.16-1.17x tree mode, no faster
+than eager dfs on a fast host and ~2 GiB more (2026-11-26-dfs-cuda-graphs-h100.md), so it is off by default.
 Prefer the largest block the memory allows: a smaller one anchors each leaf's tail beyond one block and
 adds calls (B=6144: 19 calls, 1.88 s; B=4096: 28 calls, 27% of the tokens anchored, 2.53 s on an H200;
 2026-11-25-dfs-host-bound-h200.md); where memory is short, ``train.activation_memory_budget`` below 1 lets
@@ -43,6 +46,8 @@ rows, L layers, P cached path rows, K kv heads, E head dim, D hidden size.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -53,6 +58,14 @@ from treepack.train.attention import KV, AttentionContext
 from treepack.train.losses import BatchTotals, LossRows, Objective, target_logprobs, token_weights_fast
 from treepack.train.model import Decoder
 from treepack.train.modes.base import LayoutError, Mode, ModeResult, row_dtype
+from treepack.train.modes.dfs_graphs import (
+    PREFIX_BUCKET,
+    CallGraphs,
+    call_scalars,
+    padded_inputs,
+    rounded,
+    unsupported_reason,
+)
 from treepack.train.modes.dfs_schedule import (
     MERGE_ANCHOR_TOKENS,
     ORDERS,
@@ -75,10 +88,11 @@ class _PathCache:
     deeper rows (which it never reads) must not look like an in-place change of what it saved.
     """
 
-    def __init__(self, n_layers: int, rows: int, k_TKE: Tensor) -> None:
+    def __init__(self, n_layers: int, rows: int, k_TKE: Tensor, *, zeros: bool = False) -> None:
         _, K, E = k_TKE.shape
         dt = k_TKE.dtype
-        self.kv_2LPKE = torch.empty(2, n_layers, rows, K, E, dtype=dt, device=k_TKE.device)
+        # zeros: rows a CUDA graph's call reads but hides from every query must hold finite values
+        self.kv_2LPKE = (torch.zeros if zeros else torch.empty)(2, n_layers, rows, K, E, dtype=dt, device=k_TKE.device)
         self._read = self.kv_2LPKE.data
         acc = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
         self.grad_2LPKE = torch.zeros(2, n_layers, rows, K, E, dtype=acc, device=k_TKE.device)
@@ -245,7 +259,7 @@ class DfsMode(Mode):
     def __init__(self, attention: str = "auto", *, chunk_rows: int = 4096, block_size: int | None = 2048,
                  keep_tokens: int = 0, order: str = "backward", sft_fast_path: bool = True,
                  subtree_calls: bool = True, merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS,
-                 merge_pops: bool = True) -> None:
+                 merge_pops: bool = True, cuda_graphs: bool = False) -> None:
         if attention == "sdpa":
             raise ConfigError("attention 'sdpa' runs independent causal sequences; dfs mode needs a tree kernel "
                               "(auto, reference, flex or triton) for its cached prefix")
@@ -265,6 +279,31 @@ class DfsMode(Mode):
         self.subtree_calls = subtree_calls
         self.merge_anchor_tokens = merge_anchor_tokens
         self.merge_pops = merge_pops
+        self.cuda_graphs = cuda_graphs
+        self._graphs: CallGraphs | None = None  # kept across packs: the captured calls and their buffers
+        self._graphs_off: str | None = None
+
+    def graphs_for(self, model: Decoder, schedule: Schedule) -> CallGraphs | None:
+        """The CUDA graphs that run this pack's anchor and grad calls (None: they run eagerly; `dfs_graphs`)."""
+        if not self.cuda_graphs or self._graphs_off is not None:
+            return None
+        reason = unsupported_reason(model, self.attention)
+        if reason is not None:
+            self._graphs_off = reason
+            warnings.warn(f"dfs CUDA graphs are off: {reason}", RuntimeWarning, stacklevel=3)
+            return None
+        rows = max(schedule.max_depth, 1)
+        tokens = max((step.n for step in schedule.steps), default=1)
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else model.dtype
+        g = self._graphs
+        if g is not None and g.failed:
+            return None
+        if g is None or not g.fits(model, rows, tokens, dtype):
+            if g is not None:  # a longer path or call than the graphs were sized for: room to grow
+                rows, tokens = max(rows, g.rows), max(tokens, g.n_cap)
+            self._graphs = None
+            g = self._graphs = CallGraphs(model, _PathCache, rounded(rows, PREFIX_BUCKET), tokens, dtype)
+        return g
 
     def schedule(self, pack: Pack, rows: LossRows | None = None) -> Schedule:
         """The traversal of ``pack`` (numpy only; no model needed). With ``rows``, subtrees whose tokens no
@@ -293,6 +332,7 @@ class _Traversal:
         self.targets = _Targets(pack, rows, totals, objective, fast)
         self.schedule = mode.schedule(pack, rows)
         self.targets.assign(self.schedule, int(pack.n_real))
+        self.graphs = mode.graphs_for(model, self.schedule)
         rows_dtype = row_dtype(model)
         self.weight_U = None if not fast else torch.as_tensor(self.targets.weight_U, dtype=rows_dtype, device=dev)
         self.tensors = {} if fast else objective.row_tensors(rows, totals, device=dev, dtype=rows_dtype)
@@ -302,11 +342,11 @@ class _Traversal:
         self.logp_U = torch.zeros(self.targets.token_U.shape[0], dtype=rows_dtype, device=dev)
         self.loss = torch.zeros((), dtype=torch.float64, device=dev)
         self.index = self._upload_indices()
-        self.cache: _PathCache | None = None
+        self.cache: _PathCache | None = self.graphs.cache if self.graphs is not None else None
         self.kept: dict[int, tuple[Tensor | None, list[KV]]] = {}  # lo -> (loss, K/V) of a kept segment
         self.contexts: dict[int, AttentionContext] = {}
         self.grad_sum = _GradSum(model)
-        self.work = {"grad_tokens": 0, "anchor_tokens": 0, "backward_tokens": 0, "model_calls": 0}
+        self.work = {"grad_tokens": 0, "anchor_tokens": 0, "backward_tokens": 0, "model_calls": 0, "graph_calls": 0}
         self.live = self.peak_live = 0  # tokens whose graph is alive (kept segments + the current call)
 
     def _upload_indices(self) -> dict[tuple[str, int], Tensor]:
@@ -316,6 +356,9 @@ class _Traversal:
         arrays: dict[tuple[str, int], np.ndarray] = {}
         for k, step in enumerate(self.schedule.steps):
             arrays["tokens", k] = step.tokens_C
+            if self.graphs is not None and step.kind in ("anchor", "grad"):
+                arrays["padded", k], arrays["padded_ends", k] = padded_inputs(step, self.graphs.key(step, True)[1])
+                arrays["scalars", k] = call_scalars(step, step.kind == "grad")
             if step.is_tree:
                 arrays["subtree_end", k] = step.subtree_end_C
             u_idx = targets.u_of_step.get(k)
@@ -338,6 +381,23 @@ class _Traversal:
         return out
 
     def run(self) -> ModeResult:
+        if self.graphs is None:
+            return self._run()
+        # With graphs the whole pack runs on their stream: a parameter's gradient accumulator remembers the
+        # stream it was made on, and one made on another stream (and kept alive, e.g. by autocast's cache of
+        # a cast weight) would make a captured backward wait on that stream, which a capture does not allow.
+        main, side = torch.cuda.current_stream(self.dev), self.graphs.stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.graphs.ensure_grads()
+            result = self._run()
+        main.wait_stream(side)
+        for t in (result.loss, result.logp_R, *result.metrics.values()):
+            if isinstance(t, Tensor):
+                t.record_stream(main)  # made on the side stream, read on the main one
+        return result
+
+    def _run(self) -> ModeResult:
         for k, step in enumerate(self.schedule.steps):
             getattr(self, "_" + step.kind)(k, step)
         dev = self.dev
@@ -349,6 +409,7 @@ class _Traversal:
             "peak_graph_tokens": self.peak_live,
             "kv_rows": s.max_depth,
             "kv_cache_bytes": self.cache.nbytes if self.cache is not None else 0,
+            "graph_pool_bytes": self.graphs.pool_bytes if self.graphs is not None else 0,
             "leaves": s.n_leaves,
             "pruned_tokens": s.n_pruned,
         }
@@ -362,6 +423,10 @@ class _Traversal:
     # -- the four step kinds ------------------------------------------------------------------------
 
     def _anchor(self, k: int, step: Step) -> None:
+        if self.graphs is not None:
+            self.graphs.forward(self._load(k, step, grad=False))
+            self.work["anchor_tokens"] += step.n
+            return
         with torch.no_grad():
             out = self._forward(k, step, grad=False, return_kv=True)
         self._cache_for(out.kv).write(step.lo, out.kv)
@@ -376,6 +441,8 @@ class _Traversal:
         self.peak_live = max(self.peak_live, self.live)
 
     def _grad(self, k: int, step: Step) -> None:
+        if self.graphs is not None:
+            return self._graphed_grad(k, step)
         out = self._forward(k, step, grad=True, return_kv=step.kv_grad or step.n_anchor > 0)
         if step.n_anchor:  # a merged anchor: its rows [lo, lo + n_anchor) are read by the calls after this one
             self._cache_for(out.kv).write(step.lo, [(k_[step.n_own :], v_[step.n_own :]) for k_, v_ in out.kv])
@@ -383,6 +450,27 @@ class _Traversal:
         self.work["grad_tokens"] += step.n_own
         self.peak_live = max(self.peak_live, self.live + step.n)
         self._backward(step, self._step_loss(k, out.hidden_TD), out.kv)
+
+    def _graphed_grad(self, k: int, step: Step) -> None:
+        """`_grad` through `CallGraphs`: the same call, its K/V writes and dK/dV inside the graphs."""
+        hidden, pending = self.graphs.forward(self._load(k, step, grad=True))
+        if step.n_anchor:
+            self.work["anchor_tokens"] += step.n_anchor
+        self.work["grad_tokens"] += step.n_own
+        self.peak_live = max(self.peak_live, self.live + step.n)
+        loss = self._step_loss(k, hidden)
+        with torch.autocast(self.dev.type, enabled=False):
+            self.graphs.backward(pending, loss)
+        if loss is not None or step.kv_grad:
+            self.work["backward_tokens"] += step.n_own
+        del hidden, loss, pending  # the eager call's autograd graph, before its capture
+        self.graphs.capture_pending()
+
+    def _load(self, k: int, step: Step, *, grad: bool) -> tuple:
+        self.work["model_calls"] += 1
+        self.work["graph_calls"] += 1
+        return self.graphs.load(step, grad, self.ids_T, self.pos_T, self.index["padded", k],
+                                self.index["padded_ends", k], self.index["scalars", k])
 
     def _release(self, k: int, step: Step) -> None:
         loss, kv = self.kept.pop(step.lo)
@@ -392,6 +480,8 @@ class _Traversal:
     # -- helpers ------------------------------------------------------------------------------------
 
     def _cache_for(self, kv: list[KV]) -> _PathCache:
+        if self.cache is None and self.graphs is not None:
+            self.cache = self.graphs.cache
         if self.cache is None:
             self.cache = _PathCache(len(kv), max(self.schedule.max_depth, 1), kv[0][0])
         return self.cache
@@ -459,8 +549,9 @@ class _Traversal:
             self.cache.clear(step.lo, step.lo + step.path_rows)
 
 
-WORK_SUMS = ("grad_tokens", "anchor_tokens", "backward_tokens", "pruned_tokens", "model_calls", "leaves")
-WORK_PEAKS = ("peak_graph_tokens", "kv_rows", "kv_cache_bytes", "cuda_peak_bytes")
+WORK_SUMS = ("grad_tokens", "anchor_tokens", "backward_tokens", "pruned_tokens", "model_calls", "graph_calls",
+             "leaves")
+WORK_PEAKS = ("peak_graph_tokens", "kv_rows", "kv_cache_bytes", "cuda_peak_bytes", "graph_pool_bytes")
 
 
 def merge_work(total: dict, metrics: dict) -> dict:
