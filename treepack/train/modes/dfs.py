@@ -58,14 +58,7 @@ from treepack.train.attention import KV, AttentionContext
 from treepack.train.losses import BatchTotals, LossRows, Objective, target_logprobs, token_weights_fast
 from treepack.train.model import Decoder
 from treepack.train.modes.base import LayoutError, Mode, ModeResult, row_dtype
-from treepack.train.modes.dfs_graphs import (
-    PREFIX_BUCKET,
-    CallGraphs,
-    call_scalars,
-    padded_inputs,
-    rounded,
-    unsupported_reason,
-)
+from treepack.train.modes.dfs_graphs import CallGraphs, call_scalars, padded_inputs, unsupported_reason
 from treepack.train.modes.dfs_schedule import (
     MERGE_ANCHOR_TOKENS,
     ORDERS,
@@ -302,7 +295,7 @@ class DfsMode(Mode):
             if g is not None:  # a longer path or call than the graphs were sized for: room to grow
                 rows, tokens = max(rows, g.rows), max(tokens, g.n_cap)
             self._graphs = None
-            g = self._graphs = CallGraphs(model, _PathCache, rounded(rows, PREFIX_BUCKET), tokens, dtype)
+            g = self._graphs = CallGraphs(model, _PathCache, rows, tokens, dtype)
         return g
 
     def schedule(self, pack: Pack, rows: LossRows | None = None) -> Schedule:

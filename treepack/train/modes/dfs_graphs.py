@@ -127,9 +127,8 @@ class CallGraphs:
         self.ptrs = self._ptrs()
         self.token_bucket, self.prefix_bucket = TOKEN_BUCKET, PREFIX_BUCKET  # read once: benchmarks vary them
         self.n_cap = rounded(max(tokens, 1), self.token_bucket)
-        self.rows = rows  # the longest path the cache holds
-        self.p_cap = rounded(max(rows, 1), self.prefix_bucket)
-        self.trash = max(self.p_cap, rows)  # a row written by padding and hidden rows, never read
+        self.rows = rounded(max(rows, 1), self.prefix_bucket)  # the longest path the cache holds (with headroom)
+        self.trash = self.rows  # a row written by padding and hidden rows, never read
         args = model.args
         probe = torch.empty(0, args.num_kv_heads, args.head_dim, dtype=k_dtype, device=dev)
         self.cache = cache_cls(args.num_layers, self.trash + 1, probe, zeros=True)
