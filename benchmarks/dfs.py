@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cuda-graphs", default=["off"], type=_choices("on", "off"),
                     help="dfs calls as CUDA graphs (a list: one dfs run per value)")
     ap.add_argument("--graph-buckets", default=None, type=lambda s: tuple(int(x) for x in s.split(":")),
-                    help="TOKENS:PREFIX: dfs CUDA graphs' call and prefix length buckets (default 256:1024)")
+                    help="TOKENS:PREFIX: dfs CUDA graphs' call and prefix length buckets (default 128:256)")
     ap.add_argument("--cprofile", action="store_true", help="one more dfs step under cProfile: host time by function")
     ap.add_argument("--plan-only", action="store_true", help="print the dfs accounting (CPU, no model)")
     ap.add_argument("--profile", action="store_true", help="one more step per run under torch.profiler: GPU busy "

@@ -14,8 +14,15 @@ from treepack.train.config import parse_config
 from treepack.train.loop import build_mode
 from treepack.train.losses import Objective
 from treepack.train.model import Decoder
-from treepack.train.modes import DfsMode
-from treepack.train.modes.dfs_graphs import PREFIX_BUCKET, TOKEN_BUCKET, call_scalars, padded_inputs, rounded
+from treepack.train.modes import DfsMode, dfs_graphs
+from treepack.train.modes.dfs_graphs import (
+    PREFIX_BUCKET,
+    TOKEN_BUCKET,
+    CallGraphs,
+    call_scalars,
+    padded_inputs,
+    rounded,
+)
 from treepack.train.modes.dfs_schedule import Step
 from treepack.train.verify import tiny_model_args
 
@@ -23,8 +30,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_rounded_buckets():
-    assert [rounded(n, TOKEN_BUCKET) for n in (1, 255, 256, 257)] == [256, 256, 256, 512]
-    assert rounded(0, PREFIX_BUCKET) == 0 and rounded(9368, PREFIX_BUCKET) == 10240
+    assert [rounded(n, 128) for n in (1, 127, 128, 129)] == [128, 128, 128, 256]
+    assert rounded(0, PREFIX_BUCKET) == 0 and rounded(9368, 1024) == 10240
+    assert rounded(9368, PREFIX_BUCKET) >= 9368 and rounded(6093, TOKEN_BUCKET) >= 6093
 
 
 def test_padding_sees_only_itself_and_reads_token_zero():
@@ -76,3 +84,39 @@ def test_without_cuda_graphed_dfs_is_eager_dfs_with_one_warning():
         out, grads = run(model, pack, "dfs", objective, dfs_block_size=16, dfs_cuda_graphs=True)
     assert_same(out, grads, ref_out, ref_grads)
     assert out.metrics["graph_calls"] == 0 and out.metrics["graph_pool_bytes"] == 0
+
+
+def _shape_planner() -> CallGraphs:
+    """A CallGraphs with only what `shapes` reads (its buffers need CUDA)."""
+    g = CallGraphs.__new__(CallGraphs)
+    g.token_bucket, g.prefix_bucket, g.seen, g.graphs = 128, 256, set(), {}
+    return g
+
+
+def test_shapes_are_captured_on_second_sight_exact_first():
+    """A call shape met for the first time runs uncaptured at its own size; met again at its exact size (the same
+    pack next epoch, or a repeat within a pack) it is captured at that size; a new exact shape whose buckets were
+    met before is captured padded to them (a graph other packs replay). Calls of <= 128 tokens keep the bucket;
+    with the graphs full, only shapes already captured."""
+    steps = [Step(kind="anchor", lo=0, tokens_C=np.arange(300), kv_grad=False),
+             Step(kind="grad", lo=300, tokens_C=np.arange(1000), kv_grad=True),
+             Step(kind="grad", lo=300, tokens_C=np.arange(1000), kv_grad=True),
+             Step(kind="release", lo=0, tokens_C=np.arange(5), kv_grad=False),
+             Step(kind="grad", lo=1300, tokens_C=np.arange(100), kv_grad=False),
+             Step(kind="grad", lo=310, tokens_C=np.arange(990), kv_grad=True)]
+    g = _shape_planner()
+    assert g.shapes(steps) == {0: (300, 0, False), 1: (1000, 300, False), 2: (1000, 300, True),
+                               4: (128, 1536, False), 5: (1024, 512, True)}
+    assert g.shapes(steps) == {0: (300, 0, True), 1: (1000, 300, True), 2: (1000, 300, True),
+                               4: (128, 1536, True), 5: (990, 310, True)}
+    full = _shape_planner()
+    full.shapes(steps)
+    full.graphs = {(True, 1000, 300, False, True, 1): None, **{("other", i): None for i in range(dfs_graphs.MAX_GRAPHS)}}
+    assert full.shapes(steps) == {0: (300, 0, False), 1: (1000, 300, True), 2: (1000, 300, True),
+                                  4: (128, 1536, False), 5: (990, 310, False)}
+
+
+def test_shapes_without_exact_repeats_are_bucketed(monkeypatch):
+    monkeypatch.setattr(dfs_graphs, "EXACT_REPEATS", False)
+    steps = [Step(kind="grad", lo=300, tokens_C=np.arange(1000), kv_grad=False)] * 2
+    assert _shape_planner().shapes(steps) == {0: (1024, 512, False), 1: (1024, 512, True)}

@@ -17,24 +17,26 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _fa4_ready(), reason="need
 
 
 def _deep_branches(rng: np.random.Generator) -> list[list[int]]:
-    """A 1,300-token trunk with branches: prefixes of more than one bucket (1,024 rows), anchors and merged
-    anchors at block 256."""
+    """A 1,300-token trunk with branches: prefixes of several buckets, anchors and merged anchors at block 256."""
     trunk = rng.integers(0, 13, 1300).tolist()
     seqs = [trunk + rng.integers(0, 13, int(rng.integers(100, 400))).tolist() for _ in range(3)]
     seqs += [seqs[1][:1500] + rng.integers(0, 13, 120).tolist(), trunk[:600] + rng.integers(0, 13, 50).tolist()]
     return seqs
 
 
-@pytest.mark.parametrize("objective_kind", ["grpo", "sft"])
-def test_graphed_dfs_steps_are_as_close_as_eager(objective_kind):
+@pytest.mark.parametrize(("objective_kind", "exact"), [("grpo", True), ("sft", True), ("grpo", False)])
+def test_graphed_dfs_steps_are_as_close_as_eager(objective_kind, exact, monkeypatch):
+    """Shapes are captured the second time they are met: with ``exact`` (the default) at their exact sizes (steps
+    1-2 capture, step 3 replays), without at their buckets."""
     from treepack.train.losses import Objective
     from treepack.train.model import Decoder, ModelArgs
-    from treepack.train.modes import make_mode
+    from treepack.train.modes import dfs_graphs, make_mode
 
     args = ModelArgs.for_family("qwen3", vocab_size=13, hidden_size=256, intermediate_size=512, num_layers=2,
                                 num_heads=4, num_kv_heads=2, head_dim=64)
     packs = [make_pack(_long_branches(np.random.default_rng(5)), 0), make_pack(_deep_branches(np.random.default_rng(7)), 1)]
     objective = Objective(objective_kind, "token")
+    monkeypatch.setattr(dfs_graphs, "EXACT_REPEATS", exact)
 
     def steps(dtype, attention, compile_mode, graphs, n_steps):
         model = Decoder.random_init(args, seed=0, dtype=dtype, device="cuda")
@@ -68,3 +70,5 @@ def test_graphed_dfs_steps_are_as_close_as_eager(objective_kind):
             assert err[i] <= 1.5 * eager_err[i] + 2e-3, f"step {k} {what}: graphs {err[i]:.3g}, eager {eager_err[i]:.3g}"
     # the replayed steps ran the captured graphs, not the eager code
     assert g.replays >= g.captures
+    padded = [key[1] % g.token_bucket == 0 and key[2] % g.prefix_bucket == 0 for key in g.graphs]
+    assert (not all(padded)) if exact else all(padded)

@@ -183,7 +183,9 @@ def test_heads_fast_is_chosen_for_a_prefix_every_query_sees_not_for_a_chain(monk
     star = fa4.fa4_tail_share(_with_host(_star(2048, 300, 100)))
     chain = fa4.fa4_tail_share(_with_host(torch.full((32768,), 32768, dtype=torch.int32)))
     assert fa4.predicted_tail(star, 16) >= fa4.HEADS_FAST_AT > fa4.predicted_tail(chain, 16)
-    assert fa4.fa4_tail_share(_with_host(_star(2048, 300, 100)), prefix_len=512) is None  # a dfs call
+    # a dfs call over cached rows: every query sees them, their blocks are the longest CTAs
+    over_prefix = fa4.fa4_tail_share(_with_host(torch.full((4096,), 4096, dtype=torch.int32)), prefix_len=1024)
+    assert fa4.predicted_tail(over_prefix, 16) >= fa4.HEADS_FAST_AT
     assert fa4.fa4_tail_share(prepare(_star(2048, 300, 100))) is None  # no host copy
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(fa4, "_arch_major", lambda index: 9)
@@ -224,3 +226,18 @@ def test_tail_share_counts_the_backward_block_lists(T, seed):
     tables = fa4.fa4_tables(se, 0)
     cost_N = 2 * (tables[7][0, 0].float() + 1.5 * tables[5][0, 0].float()) + 1.0
     assert fa4.fa4_tail_share(info) == pytest.approx(float(cost_N.max() * 132 / cost_N.sum()), rel=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 700), P=st.integers(0, 600), hidden=st.integers(0, 200), seed=st.integers(0, 2**16))
+def test_tail_share_counts_a_prefix_and_its_hidden_rows(T, P, hidden, seed):
+    """With cached rows (a dfs call), some hidden as a CUDA graph's prefix bucket hides them, the work per key
+    block is still what FA4's backward lists hold for that call (fa4_tables with ``prefix_valid``)."""
+    se = random_subtree_end(T, seed=seed)
+    visible = max(P - hidden, 0)
+    tables = fa4.fa4_tables(se, P, prefix_valid=torch.tensor([visible]) if P else None)
+    cost_N = 2 * (tables[7][0, 0].float() + 1.5 * tables[5][0, 0].float()) + 1.0
+    expect = float(cost_N.max() * 132 / cost_N.sum())
+    assert fa4.tail_share(se.numpy(), P, prefix_visible=visible if P else None) == pytest.approx(expect, rel=1e-6)
+    assert fa4.fa4_tail_share(_with_host(se), P, prefix_visible=visible if P else None) == pytest.approx(expect,
+                                                                                                       rel=1e-6)

@@ -56,7 +56,7 @@ from .ops import register_kernel_ops
 
 __all__ = ["FA4_BLOCK", "FA4_BWD_ORDERS", "FA4_DTYPES", "FA4_HEAD_DIMS", "bwd_order", "fa4_importable",
            "fa4_supported_device", "fa4_tables", "fa4_tail_share", "fa4_unsupported_reason", "predicted_tail",
-           "tree_attention_fa4"]
+           "tail_share", "tree_attention_fa4"]
 
 FA4_BLOCK = 128  # FA4's Hopper forward tile (hdim 128) and the block-sparsity granularity it requires there
 # The backward's query blocks: FA4's Hopper backward runs 64-row tiles on 128-row sparse blocks, 80-row tiles
@@ -158,7 +158,11 @@ if FA4_BWD_ORDER not in ("auto", *FA4_BWD_ORDERS):
     warnings.warn(f"TREEPACK_FA4_BWD_ORDER={FA4_BWD_ORDER!r} is not auto or one of {', '.join(FA4_BWD_ORDERS)}: "
                   "using auto", RuntimeWarning, stacklevel=1)
     FA4_BWD_ORDER = "auto"
-HEADS_FAST_AT = 1.2  # auto: heads fastest when FA4's order is predicted to take >= this x the balanced time
+# auto: heads fastest when FA4's order is predicted to take >= this x the balanced time. 1.15: tau-bench dfs calls
+# over a cached prefix predicted at 1.17 ran their backward 5-7% faster heads fastest (1x H100,
+# results/2026-11-26-dfs-bwd-order-h100.md); the packs measured before stay where they were (tau-bench 1.05 and
+# tau2-think 1.09 in FA4's order, ToolBench 1.34-1.51 heads fastest)
+HEADS_FAST_AT = 1.15
 
 
 def predicted_tail(tail_share: float, heads: int) -> float:
@@ -173,10 +177,11 @@ def bwd_order(tail_share: float | None, heads: int, device: torch.device) -> int
     """The backward grid order (an index of FA4_BWD_ORDERS) for a call: `FA4_BWD_ORDER` if set, else
     heads fastest where FA4's own order is predicted to run >= HEADS_FAST_AT x the balanced time.
 
-    Why per pack: heads fastest took FA4's time in a ToolBench one-forest training step from 0.151 to 0.119 s
+    Why per call: heads fastest took FA4's time in a ToolBench one-forest training step from 0.151 to 0.119 s
     (1x H100), but made a tau2-think pack's fwd+bwd 1.17-1.21x slower (its work is balanced; FA4's order
-    keeps a head's queries in L2), results/2026-11-26-fa4-bwd-order-h100.md. Hopper only (sm100 has its own
-    kernel)."""
+    keeps a head's queries in L2), results/2026-11-26-fa4-bwd-order-h100.md. A dfs call's cached prefix is
+    seen by all its queries, so its key blocks are the longest CTAs (`tail_share`). Hopper only (sm100 has
+    its own kernel)."""
     if device.type != "cuda" or _arch_major(device.index) != 9:
         return 0
     if FA4_BWD_ORDER != "auto":
@@ -308,26 +313,46 @@ def fa4_tables(subtree_end: Tensor | TreeMaskInfo, prefix_len: int = 0, *,
 
 
 def fa4_tail_share(subtree_end: Tensor | TreeMaskInfo, prefix_len: int = 0, *,
-                   bwd_block_q: int | None = None) -> float | None:
-    """`predicted_tail`'s ``tail_share`` of a pack's backward block lists, from the host copy of
-    ``subtree_end`` a TreeMaskInfo carries (``cache["host_subtree_end"]``, set by `AttentionContext.tree`'s
-    ``host``), once per pack. None without one, and with a cached prefix: deciding would cost a host sync per
-    call (dfs calls, and `tree_attention` called on device tensors alone keep FA4's order)."""
+                   bwd_block_q: int | None = None, prefix_visible: int | None = None) -> float | None:
+    """`tail_share` of a call's backward block lists, from the host copy of ``subtree_end`` a TreeMaskInfo
+    carries (``cache["host_subtree_end"]``: `AttentionContext.tree`'s ``host``, or a dfs call's own ends),
+    cached on it per prefix. None without one: deciding from device tensors would cost a host sync per call
+    (`tree_attention` called on device tensors alone keeps FA4's order)."""
     info = subtree_end if isinstance(subtree_end, TreeMaskInfo) else None
-    if prefix_len or info is None or "host_subtree_end" not in info.cache:
+    if info is None or "host_subtree_end" not in info.cache:
         return None
     bwd_block_q = FA4_BWD_BLOCK_Q if bwd_block_q is None else int(bwd_block_q)
-    key = ("fa4-tail", bwd_block_q)
+    key = ("fa4-tail", bwd_block_q) if not prefix_len else ("fa4-tail", bwd_block_q, int(prefix_len), prefix_visible)
     if key not in info.cache:
-        se_T = info.cache["host_subtree_end"]  # on the host: the backward's blocks, counted per key block
-        T = se_T.numel()
-        partial_MN, full_MN = _block_masks(torch.arange(T, dtype=torch.int32), se_T.to(torch.int32), T, bwd_block_q)
-        # a CTA's work: its 64-row query tiles (two per 128-row block; a partial block's mask costs ~1.5x) + 1
-        cost_N = 2 * (full_MN.sum(0).float() + 1.5 * partial_MN.sum(0).float()) + 1.0
         dev = info.device
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
-        info.cache[key] = float(cost_N.max() * sms / cost_N.sum())
+        info.cache[key] = tail_share(info.cache["host_subtree_end"], prefix_len, bwd_block_q=bwd_block_q,
+                                     prefix_visible=prefix_visible, sms=sms)
     return info.cache[key]
+
+
+def tail_share(subtree_end_T, prefix_len: int = 0, *, bwd_block_q: int | None = None,
+               prefix_visible: int | None = None, sms: int = 132) -> float:
+    """The longest backward CTA's work x SMs / one head's work (`predicted_tail`'s input), counted on the host
+    from a call's ``subtree_end`` (numpy or CPU tensor) and its cached prefix: ``prefix_len`` keys before the
+    call's, the first ``prefix_visible`` of them seen by every query (default all) and the rest hidden.
+
+    Why prefixes count: a prefix key block is seen by every query, so its CTA is the longest of the grid, and in
+    FA4's head-major order the last head's prefix CTAs end the kernel alone. On a tau-bench dfs call (T = 6,265
+    over 1,212 cached rows, 1x H100) heads fastest took the backward from 1.056 to 1.006 ms; with the prefix read
+    at a 2,048-row bucket, 836 rows hidden as a CUDA graph reads it, from 1.310 to 1.026 ms (the partially hidden
+    key block is partial for every query block, the longest CTA of all)."""
+    bwd_block_q = FA4_BWD_BLOCK_Q if bwd_block_q is None else int(bwd_block_q)
+    se_T = torch.as_tensor(subtree_end_T).to(device="cpu", dtype=torch.int32)
+    T, P = se_T.numel(), int(prefix_len)
+    lo_S = torch.cat([torch.zeros(P, dtype=torch.int32), torch.arange(T, dtype=torch.int32)])
+    hi_P = torch.full((P,), T, dtype=torch.int32)
+    if prefix_visible is not None:
+        hi_P[int(prefix_visible):] = 0
+    partial_MN, full_MN = _block_masks(lo_S, torch.cat([hi_P, se_T]), T, bwd_block_q)
+    # a CTA's work: its 64-row query tiles (two per 128-row block; a partial block's mask costs ~1.5x) + 1
+    cost_N = 2 * (full_MN.sum(0).float() + 1.5 * partial_MN.sum(0).float()) + 1.0
+    return float(cost_N.max() * sms / cost_N.sum())
 
 
 def _sparse(tables: tuple[Tensor, ...], bwd_block_q: int):

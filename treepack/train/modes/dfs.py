@@ -31,9 +31,10 @@ attention forward is not recomputed under a memory budget, and each call's param
 with one multi-tensor add (`_GradSum`). On an H100 a tau-bench step (144 records, B=8192, budget 0.7, 10
 calls, attention auto) took 0.995-1.007 s at 12.66 GiB, the GPU busy ~0.85-0.94 s of it
 (benchmarks/results/2026-11-26-dfs-host-h100.md).
-With ``cuda_graphs`` (`train.dfs_cuda_graphs`, `dfs_graphs`) each call shape is captured once and replayed:
-the host queues a step in ~0.8 s of ~0.98, but the step is then GPU-bound at 1.16-1.17x tree mode, no faster
-than eager dfs on a fast host and ~2 GiB more (2026-11-26-dfs-cuda-graphs-h100.md), so it is off by default.
+With ``cuda_graphs`` (`train.dfs_cuda_graphs`, `dfs_graphs`) a call shape met again is replayed from a CUDA
+graph: the host queues a step in ~0.75 s of ~0.94, GPU-bound at 1.07x (exact shapes) to 1.12x (bucketed) tree
+mode, ~1.8 GiB more (2026-11-26-dfs-bwd-order-h100.md). Each call's FA4 backward order is chosen from its
+subtree ends on the host (the cached prefix's key blocks are the longest CTAs; `fa4.tail_share`).
 Prefer the largest block the memory allows: a smaller one anchors each leaf's tail beyond one block and
 adds calls (B=6144: 19 calls, 1.88 s; B=4096: 28 calls, 27% of the tokens anchored, 2.53 s on an H200;
 2026-11-25-dfs-host-bound-h200.md); where memory is short, ``train.activation_memory_budget`` below 1 lets
@@ -334,6 +335,8 @@ class _Traversal:
         self.pos_T = torch.as_tensor(np.array(pack.position_ids, dtype=np.int64), device=dev)
         self.logp_U = torch.zeros(self.targets.token_U.shape[0], dtype=rows_dtype, device=dev)
         self.loss = torch.zeros((), dtype=torch.float64, device=dev)
+        # each graphed call's (padded length, prefix rows read): exact for shapes met before (`CallGraphs.shapes`)
+        self.shapes = self.graphs.shapes(self.schedule.steps) if self.graphs is not None else {}
         self.index = self._upload_indices()
         self.cache: _PathCache | None = self.graphs.cache if self.graphs is not None else None
         self.kept: dict[int, tuple[Tensor | None, list[KV]]] = {}  # lo -> (loss, K/V) of a kept segment
@@ -349,8 +352,8 @@ class _Traversal:
         arrays: dict[tuple[str, int], np.ndarray] = {}
         for k, step in enumerate(self.schedule.steps):
             arrays["tokens", k] = step.tokens_C
-            if self.graphs is not None and step.kind in ("anchor", "grad"):
-                arrays["padded", k], arrays["padded_ends", k] = padded_inputs(step, self.graphs.key(step, True)[1])
+            if k in self.shapes:
+                arrays["padded", k], arrays["padded_ends", k] = padded_inputs(step, self.shapes[k][0])
                 arrays["scalars", k] = call_scalars(step, step.kind == "grad")
             if step.is_tree:
                 arrays["subtree_end", k] = step.subtree_end_C
@@ -417,7 +420,7 @@ class _Traversal:
 
     def _anchor(self, k: int, step: Step) -> None:
         if self.graphs is not None:
-            self.graphs.forward(self._load(k, step, grad=False))
+            self.graphs.forward(self._load(k, step, grad=False), capture=self.shapes[k][2])
             self.work["anchor_tokens"] += step.n
             return
         with torch.no_grad():
@@ -446,7 +449,7 @@ class _Traversal:
 
     def _graphed_grad(self, k: int, step: Step) -> None:
         """`_grad` through `CallGraphs`: the same call, its K/V writes and dK/dV inside the graphs."""
-        hidden, pending = self.graphs.forward(self._load(k, step, grad=True))
+        hidden, pending = self.graphs.forward(self._load(k, step, grad=True), capture=self.shapes[k][2])
         if step.n_anchor:
             self.work["anchor_tokens"] += step.n_anchor
         self.work["grad_tokens"] += step.n_own
@@ -462,7 +465,7 @@ class _Traversal:
     def _load(self, k: int, step: Step, *, grad: bool) -> tuple:
         self.work["model_calls"] += 1
         self.work["graph_calls"] += 1
-        return self.graphs.load(step, grad, self.ids_T, self.pos_T, self.index["padded", k],
+        return self.graphs.load(step, grad, self.shapes[k], self.ids_T, self.pos_T, self.index["padded", k],
                                 self.index["padded_ends", k], self.index["scalars", k])
 
     def _release(self, k: int, step: Step) -> None:
@@ -492,7 +495,10 @@ class _Traversal:
             if self.dev.type == "cuda":  # valid by construction: skip prepare's host sync
                 from treepack.kernels import prepare
 
-                ctx = AttentionContext(kind="tree", impl=self.mode.attention, mask=prepare(subtree_end_T, validate=False))
+                info = prepare(subtree_end_T, validate=False)
+                # the ends on the host too: FA4's backward order is chosen per call from them (fa4_tail_share)
+                info.cache["host_subtree_end"] = torch.from_numpy(step.local_ends.astype(np.int32))
+                ctx = AttentionContext(kind="tree", impl=self.mode.attention, mask=info)
             else:
                 ctx = AttentionContext.tree(subtree_end_T, self.mode.attention)
             if not step.is_tree:

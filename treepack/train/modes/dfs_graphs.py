@@ -9,12 +9,14 @@ replaying a captured graph removes it.
 
 How:
 
-* Fixed shapes. A call of n tokens over the cached rows [0, lo) runs at ``n_b`` = n rounded up to
-  `TOKEN_BUCKET` and reads the prefix rows [0, ``P_b``), lo rounded up to `PREFIX_BUCKET`. Padding tokens go
-  last, each seeing only the prefix and itself (``subtree_end = own index + 1``): by the mask contract no real
-  query sees a later key, so they change nothing, and nothing reads their outputs. The prefix rows [lo, P_b)
-  are hidden from every query by FA4's tables (`fa4_tables`' ``prefix_valid``, a device scalar), so a call
-  reads exactly the rows its unpadded twin reads. The cache is zero-filled once, so hidden rows are finite.
+* Fixed shapes. A call runs at ``n_b`` tokens over the cached rows [0, ``P_b``): its exact n and lo when that
+  shape was met before (a pack that comes back), else n rounded up to `TOKEN_BUCKET` and lo to `PREFIX_BUCKET`
+  (`CallGraphs.shapes`; a shape is captured the second time it is met). Padding tokens go last, each seeing
+  only the prefix and itself (``subtree_end = own index + 1``): by the mask contract no real query sees a later
+  key, so they change nothing, and nothing reads their outputs. The prefix rows [lo, P_b) are hidden from every
+  query by FA4's tables (`fa4_tables`' ``prefix_valid``, a device scalar), so a call reads exactly the rows its
+  unpadded twin reads. The cache is zero-filled once, so hidden rows are finite. FA4's backward grid order is
+  chosen per call on the host (`fa4.tail_share` with the hidden rows) and is part of the key.
 * Fixed addresses. Everything a graph reads or writes outlives it: the path cache and its gradient (sized for
   the longest path, plus one row that takes the writes of padding and is never read), the call's inputs
   (ids, positions, subtree ends, and the scalars lo / written range / gradient rows), the hidden states handed
@@ -23,17 +25,21 @@ How:
 * The loss stays eager (its rows differ per call): the forward graph's hidden states enter autograd through
   `_Replayed`, whose backward copies their gradient in and replays the backward graph. K/V rows the call
   caches are written, and the dK/dV its own rows received are read and cleared, inside the graphs.
-* A call of a new shape runs eagerly through the same code (which compiles and records what it needs) and is
-  captured once its autograd graph is gone; later calls of that shape replay. All graphs share one memory
+* A call of a shape without a graph runs eagerly through the same code (which compiles and records what it
+  needs); the second time a shape is met it is captured once that call's autograd graph is gone, and later
+  calls of that shape replay. All graphs share one memory
   pool: each call's graph is dead before the next call runs (keep steps, whose graph outlives later calls,
   stay eager). A pack with graphs runs on their stream, so every autograd node it makes (a parameter's
   gradient accumulator too, which autocast's cast cache can keep alive) is on the stream the captures use.
 
-Outcome (1x H100, seven machines; benchmarks/results/2026-11-26-dfs-cuda-graphs-h100.md): the host queues a
-tau-bench step in 0.76-0.81 s of 0.95-1.02 s and steps are steady, but the step is GPU-bound at 1.16-1.17x
-tree mode: faster than eager dfs on slow hosts (1.070 -> 1.019 s), slower on a fast one (0.923 -> 0.978 s),
-and 14.7 GiB against 12.66 (the pool). FA4's backward ran 19% longer inside the graphs than eagerly (cause not
-found). Hence off by default.
+Outcome (1x H100; benchmarks/results/2026-11-26-dfs-cuda-graphs-h100.md, 2026-11-26-dfs-bwd-order-h100.md):
+the host queues a tau-bench step in ~0.75 s of ~0.94 and steps are steady. FA4's backward first ran 19% longer
+than eagerly: the key block holding the last visible prefix rows and the first hidden ones is partial for every
+query block, the longest CTA of the grid, and FA4's head-major order left it to finish alone; with the order
+chosen per call (heads fastest there) the kernel takes 278 ms a step against 338 before (tree mode: 297). The
+step is then GPU-bound at 1.10-1.12x tree mode on bucketed shapes, 1.07x on exact ones, where eager dfs ran
+1.11-1.31x (the host), and under AReaL-DTA's 13.4 GiB (budget 0.45) 0.948-0.973 s. Off by default: it holds
+~1.8 GiB more (the pool) and pays off only where call shapes come back.
 
 Exactness: the graphs replay the padded call's kernels on the same values; the padded call equals the unpadded
 one up to FA4's float32 atomics in dQ (tests/test_dfs_graphs_gpu.py compares whole steps with eager dfs).
@@ -53,9 +59,13 @@ from torch import Tensor
 
 from treepack.train.attention import AttentionContext, KernelSchedule
 
-TOKEN_BUCKET = 256  # call lengths are rounded up to a multiple of this (padding costs < 256 tokens a call)
-PREFIX_BUCKET = 1024  # prefix lengths likewise (hidden rows cost only their share of the key concatenation)
+# a new call shape's length is rounded up to a multiple of TOKEN_BUCKET, its prefix to one of PREFIX_BUCKET
+# (`CallGraphs.shapes`): padding and hidden rows cost GPU time, finer buckets cost captures; a tau-bench step
+# 0.940 s at 256 / 1,024, 0.936 s at 128 / 256 (1x H100, results/2026-11-26-dfs-bwd-order-h100.md)
+TOKEN_BUCKET = 128
+PREFIX_BUCKET = 256
 MAX_GRAPHS = 96  # shapes captured per run; calls of further shapes run eagerly
+EXACT_REPEATS = True  # a call shape met before runs at its exact size (`CallGraphs.shapes`); False: always bucketed
 
 
 def rounded(n: int, bucket: int) -> int:
@@ -115,6 +125,7 @@ class Pending:
     key: tuple
     hidden: Tensor | None  # None when the call was replayed
     kv: list | None
+    capture: bool = False  # capture the shape once this call's backward is done
 
 
 class CallGraphs:
@@ -140,9 +151,11 @@ class CallGraphs:
         self.grad_hidden: Tensor | None = None
         self.grads: list[Tensor] = []
         self.graphs: dict[tuple, _Graph] = {}
+        self.seen: set[tuple] = set()  # call shapes met so far, exact and bucketed (`shapes`)
         self.failed: str | None = None  # a capture failed: every call runs eagerly from then on
         self.uncaptured: tuple | None = None  # the key of the call that ran eagerly, to capture
         self.pool = torch.cuda.graph_pool_handle()
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.stream = torch.cuda.Stream(dev)
         self.anchor = torch.zeros((), device=dev, requires_grad=True)  # gives `_Replayed` a grad input
         self.captures = self.replays = self.eager = 0
@@ -179,16 +192,66 @@ class CallGraphs:
 
     # -- one call ----------------------------------------------------------------------------------
 
-    def key(self, step, grad: bool) -> tuple:
-        n_b = rounded(step.n, self.token_bucket)
-        p_b = rounded(step.lo, self.prefix_bucket)
-        writes = not grad or step.n_anchor > 0
-        return grad, n_b, p_b, writes, grad and step.kv_grad
+    def shapes(self, steps) -> dict[int, tuple[int, int, bool]]:
+        """Each anchor / grad call's (n_b, P_b, capture): the size it runs at and whether to capture that shape.
 
-    def load(self, step, grad: bool, ids_T: Tensor, pos_T: Tensor, tokens_B: Tensor, subtree_end_B: Tensor,
-             scalars: Tensor) -> tuple:
-        """Copy the call's inputs (padded on the host: `padded_inputs`) into the fixed buffers; its key."""
-        key = self.key(step, grad)
+        A shape is captured the second time it is met, never the first: a call whose exact shape (tokens, cached
+        rows) was met before runs at that size (packs that come back: a second epoch, several optimizer passes
+        over one batch); else a call whose buckets (`TOKEN_BUCKET`, `PREFIX_BUCKET`) were met before runs padded
+        to them (new packs with calls of similar sizes); else it runs eagerly at its own size, uncaptured.
+
+        Why: padding and hidden prefix rows cost GPU time (a tau-bench step 0.939 s on bucketed graphs, 0.913 s
+        on exact ones, tree mode 0.851 s; 1x H100, results/2026-11-26-dfs-bwd-order-h100.md), and capturing
+        both for every call held 21 GiB instead of 14.4 in the graphs' pool. Shapes are captured while there is
+        room (`MAX_GRAPHS`); calls of 128 tokens or fewer always use their bucket."""
+        out = {}
+        for k, step in enumerate(steps):
+            if step.kind not in ("anchor", "grad"):
+                continue
+            grad = step.kind == "grad"
+            flags = self._flags(step, grad)
+            exact = (grad, step.n, step.lo, *flags)
+            bucket = (grad, rounded(step.n, self.token_bucket), rounded(step.lo, self.prefix_bucket), *flags)
+            if step.n <= 128 or not EXACT_REPEATS:
+                exact = bucket
+            if exact in self.seen and self._room_for(exact):
+                out[k] = exact[1], exact[2], True
+            elif bucket in self.seen and self._room_for(bucket):
+                out[k] = bucket[1], bucket[2], True
+            else:
+                out[k] = exact[1], exact[2], False
+            self.seen.update((exact, bucket))
+        return out
+
+    def _room_for(self, shape: tuple) -> bool:
+        return len(self.graphs) < MAX_GRAPHS or any(key[:5] == shape for key in self.graphs)
+
+    @staticmethod
+    def _flags(step, grad: bool) -> tuple[bool, bool]:
+        """(writes its K/V to the cache, reads the dK/dV its cached rows received)."""
+        return not grad or step.n_anchor > 0, grad and step.kv_grad
+
+    def key(self, step, grad: bool, shape: tuple[int, int, bool]) -> tuple:
+        """What a captured call is specialised on: (grad, n_b, P_b, writes K/V, kv grad, FA4 backward order)."""
+        n_b, p_b, _ = shape
+        return grad, n_b, p_b, *self._flags(step, grad), self._bwd_order(step, n_b, p_b) if grad else 0
+
+    def _bwd_order(self, step, n_b: int, p_b: int) -> int:
+        """FA4's backward grid order for the padded call, from its ends on the host (`fa4.tail_share`): the prefix
+        rows every query sees, and the bucket's hidden rows, make a few long CTAs that FA4's head-major order
+        leaves to the end (results/2026-11-26-dfs-bwd-order-h100.md)."""
+        from treepack.kernels.tree_attention import fa4
+
+        dev = self.ids.device
+        share = fa4.tail_share(padded_inputs(step, n_b)[1], p_b, prefix_visible=step.lo if p_b else None,
+                               sms=self.sms)
+        return fa4.bwd_order(share, self.model.args.num_heads, dev)
+
+    def load(self, step, grad: bool, shape: tuple[int, int, bool], ids_T: Tensor, pos_T: Tensor, tokens_B: Tensor,
+             subtree_end_B: Tensor, scalars: Tensor) -> tuple:
+        """Copy the call's inputs (padded on the host to ``shape``: `padded_inputs`) into the fixed buffers; its
+        key."""
+        key = self.key(step, grad, shape)
         n_b = key[1]
         torch.index_select(ids_T, 0, tokens_B, out=self.ids[:n_b])
         torch.index_select(pos_T, 0, tokens_B, out=self.pos[:n_b])
@@ -196,8 +259,9 @@ class CallGraphs:
         self.scalars.copy_(scalars)
         return key
 
-    def forward(self, key: tuple) -> tuple[Tensor | None, Pending]:
-        """Run the loaded call: replay its graph, or run it eagerly (then capture it after its backward)."""
+    def forward(self, key: tuple, capture: bool = True) -> tuple[Tensor | None, Pending]:
+        """Run the loaded call: replay its graph, or run it eagerly (then, with ``capture``, capture it after its
+        backward)."""
         grad = key[0]
         graph = self.graphs.get(key)
         if graph is not None:
@@ -212,13 +276,14 @@ class CallGraphs:
         with self._no_autocast_cache(), contextlib.nullcontext() if grad else torch.no_grad():
             hidden, kv = self._forward_body(key)
         if not grad:
-            self.capture(key)
+            if capture:
+                self.capture(key)
             return None, Pending(key, None, None)
-        return hidden, Pending(key, hidden, kv)
+        return hidden, Pending(key, hidden, kv, capture)
 
     def backward(self, pending: Pending, loss: Tensor | None) -> None:
         """Back-propagate the call's loss and the dK/dV its cached rows received; clear those rows' gradients."""
-        _, n_b, _, _, kv_grad = pending.key
+        _, n_b, _, _, kv_grad, _ = pending.key
         if pending.hidden is None:  # replayed
             if loss is not None:
                 torch.autograd.backward([loss])
@@ -234,7 +299,7 @@ class CallGraphs:
             self.hidden = pending.hidden.new_empty(n_cap, D)
             self.grad_hidden = pending.hidden.new_zeros(n_cap, D)
         pending.hidden = pending.kv = None
-        self.uncaptured = pending.key
+        self.uncaptured = pending.key if pending.capture else None
 
     def capture_pending(self) -> None:
         """Capture the call that just ran eagerly. Only once its autograd graph is gone: a parameter's
@@ -249,12 +314,12 @@ class CallGraphs:
     def _forward_body(self, key: tuple) -> tuple[Tensor, list]:
         from treepack.kernels.tree_attention import fa4
 
-        grad, n_b, p_b, writes, _ = key
-        args, dev = self.model.args, self.ids.device
+        grad, n_b, p_b, writes, _, order = key
+        dev = self.ids.device
         se_B = self.subtree_end[:n_b]
         block_q = fa4.FA4_BWD_BLOCK_Q
         tables = fa4.fa4_tables(se_B, p_b, bwd_block_q=block_q, prefix_valid=self.scalars[0:1] if p_b else None)
-        schedule = KernelSchedule(op="fa4", tensors=tables, config=[block_q, fa4.bwd_order(None, args.num_heads, dev)])
+        schedule = KernelSchedule(op="fa4", tensors=tables, config=[block_q, order])
         ctx = AttentionContext(kind="tree", impl="fa4", mask=se_B, schedule=schedule)
         past = self.cache.prefix(p_b, grad=grad) if p_b else None
         out = self.model(self.ids[:n_b], self.pos[:n_b], ctx, past_kv=past, return_kv=True)
@@ -269,7 +334,7 @@ class CallGraphs:
         return out.hidden_TD, out.kv
 
     def _backward_body(self, key: tuple, head: Tensor, head_grad: Tensor | None, kv: list) -> None:
-        _, n_b, p_b, _, kv_grad = key
+        _, n_b, p_b, _, kv_grad, _ = key
         dev = self.ids.device
         lo, rows = self.scalars[0], self.scalars[3]
         outs, grads = [head], [head_grad]
