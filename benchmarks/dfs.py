@@ -4,7 +4,8 @@ dfs work accounting (anchor overhead, model calls, live graph), side by side on 
 A step is the forward and backward of one global batch (every pack of the workload, gradients
 accumulated; the optimizer update is excluded, as in AReaL-DTA's backward ablations), bf16 weights and
 compute, GRPO loss (advantages: rewards standardised over the batch, or the data's), token-mean. Each
-(workload, mode) runs one warm-up step (Triton compiles and autotunes there), then ``--repeats`` timed
+(workload, mode) runs one warm-up step (Triton compiles and autotunes there; two with dfs CUDA graphs, which
+capture a call shape the second time they meet it), then ``--repeats`` timed
 steps; the median time and the largest ``torch.cuda.max_memory_allocated`` are reported.
 
 Modes, all over the same sequences, sharing one forest per workload (no ``tree_id`` scoping, so the
@@ -258,6 +259,8 @@ def measure(model, packs: list[Pack], mode, objective: Objective, repeats: int, 
     pauses.start()
     try:
         step()  # warm-up: Triton compiles and autotunes per block shape
+        if getattr(mode, "cuda_graphs", False):
+            step()  # dfs CUDA graphs capture a call shape the second time they meet it
         if gc_mode != "default":  # what the warm-up built (compiled code, caches) is never garbage
             freeze_warmup()
             if gc_mode == "off":
@@ -327,7 +330,7 @@ def run_gpu(args) -> None:
          f"token-mean; attention {args.attention} (FA4 launch replay {args.fa4_replay}, backward query blocks of "
          f"{args.fa4_bwd_block_q} rows); attention recompute {args.attention_recompute}; BLAS {' or '.join(args.blas)}; gradient sums per call {' or '.join(args.grad_sum)}; dfs anchors merged up to {' or '.join(map(str, args.merge_anchors))} tokens, pops merged {' or '.join(args.merge_pops)}; pack child order {args.child_order}; Python gc {' or '.join(args.gc)}; activation memory budget {args.activation_memory_budget}; tree capacity {', '.join(f'{c:,}' for c in args.capacity)}; "
          f"dense micro-batches <= "
-         f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up (median)."),
+         f"{args.dense_tokens:,} flat tokens; {args.repeats} timed steps after one warm-up, two with dfs CUDA graphs (median)."),
         f"Command: `{command_line(__file__, sys.argv[1:])}` (model init {init_s:.0f} s).",
         "",
         ("Columns: s/step = forward + backward of the whole workload; tree tok/s = N_tree / s; peak = "
