@@ -50,10 +50,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_compiled_layer_with_tree_kernel_matches_eager():
+def test_compiled_layer_with_tree_kernel_matches_eager(tmp_path):
     pytest.importorskip("triton", reason="triton is not installed")
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # its own Inductor cache: with the cache other runs on the machine had filled, this test twice got the same
+    # grad_rel of 9.2e-5 against its 1e-5 (another compiled variant); with a fresh cache it passes
+    env = dict(os.environ, TRITON_INTERPRET="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     res = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=tests)], capture_output=True, text=True,
                          env=env, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-4000:]
