@@ -171,8 +171,8 @@ class TrainConfig:
     dfs_order: str = "backward"  # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout (the pack's)
     dfs_subtree_calls: bool = True  # dfs: pop subtrees that fit a block in one tree call (false: leaf by leaf)
     dfs_merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS  # dfs: an anchor up to this size rides in the call before it
-    # dfs: each call shape captured once as a CUDA graph and replayed (FA4 and compile on CUDA; keep steps stay
-    # eager): no host time per call, ~2 GiB more reserved (treepack.train.modes.dfs_graphs)
+    # dfs: a call shape met again is captured as a CUDA graph and replayed (FA4 and compile on CUDA; keep steps
+    # stay eager): no host time per call, ~1.8 GiB more reserved (treepack.train.modes.dfs_graphs)
     dfs_cuda_graphs: bool = False
     # dense, dense-leaf, auto: most tokens forwarded at once, micro-batches back-propagated one by one ("" = each
     # pack's own size, the memory of the tree step of the same pack; e.g. "32k")
@@ -439,7 +439,7 @@ dfs_keep_tokens = 0         # dfs: shared segments kept with their graph instead
 dfs_order = "backward"      # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout
 dfs_subtree_calls = true    # dfs: a subtree that fits a block is one tree call (false: AReaL-DTA, leaf by leaf)
 dfs_merge_anchor_tokens = 512  # dfs: an anchor of up to this many tokens rides in the grad call before it (0 = off)
-dfs_cuda_graphs = false     # dfs: replay each call shape as a CUDA graph (needs FA4 and compile on CUDA)
+dfs_cuda_graphs = false     # dfs: replay call shapes met again as CUDA graphs (needs FA4 and compile on CUDA)
 micro_batch_tokens = ""     # dense, dense-leaf, auto: most tokens per micro-batch ("" = each pack's size; "32k")
 speed_table = ""            # auto: JSON from benchmarks/speed_table.py ("" = built in for the GPU)
 
