@@ -28,15 +28,15 @@ H, K, E = 16, 8, 128
 def kernel_ms(step, tokens: int, prefix: int, visible: int | None, order: int, reps: int) -> tuple[float, float]:
     """(forward, backward) ms of FA4's main kernels per call: ``step`` padded to ``tokens`` over ``prefix`` cached
     rows of which the first ``visible`` are seen (None: all)."""
-    import numpy as np
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     from treepack.kernels.tree_attention import fa4
 
+    from treepack.train.modes.dfs_graphs import padded_inputs
+
     dev = torch.device("cuda")
-    se = np.arange(1, tokens + 1)
-    se[: step.n] = step.local_ends
+    se = padded_inputs(step, tokens)[1]
     valid = None if visible is None else torch.tensor([visible], device=dev)
     tables = fa4.fa4_tables(torch.as_tensor(se, dtype=torch.int32, device=dev), prefix, bwd_block_q=128,
                             prefix_valid=valid)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     from treepack.kernels.tree_attention import fa4
 
     from treepack.train.modes.dfs import DfsMode
-    from treepack.train.modes.dfs_graphs import rounded
+    from treepack.train.modes.dfs_graphs import padded_inputs, rounded
 
     data = argparse.Namespace(tau_bench=bench.SAMPLE, tau_records=144, seed=0, capacity=[32768], child_order="lex",
                               dense_tokens=16384)
@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         padded = rounded(step.n, args.token_bucket), rounded(step.lo, args.prefix_bucket)
         for tokens, prefix in ((step.n, step.lo), padded):
             visible = step.lo if prefix else None
-            se = list(step.local_ends) + list(range(step.n + 1, tokens + 1))
-            share = fa4.tail_share(se, prefix, prefix_visible=visible)
+            share = fa4.tail_share(padded_inputs(step, tokens)[1], prefix, prefix_visible=visible)
             keys = "exact" if (tokens, prefix) == (step.n, step.lo) else f"{tokens:,} over {prefix:,}"
             for order in args.orders:
                 fwd, bwd = kernel_ms(step, tokens, prefix, visible, order, args.reps)
