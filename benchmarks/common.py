@@ -102,6 +102,24 @@ def bench_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) -
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def events_ms(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
+    """Median milliseconds of ``repeats`` calls of ``fn``, each between two CUDA events and synchronised (no L2
+    flush, unlike `bench_ms`: what a call costs when its inputs were just written), after ``warmup`` calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def ratio(reference: float | None, value: float | None) -> str:
     """``reference / value`` as ``1.23x`` (a speed-up when both are times), ``-`` when either is missing."""
     return f"{reference / value:.2f}x" if reference and value else "-"

@@ -19,18 +19,7 @@ import sys
 import tempfile
 
 import torch
-
-
-def _time_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+from common import events_ms
 
 
 def child(variant: str, args: argparse.Namespace) -> dict:
@@ -56,9 +45,9 @@ def child(variant: str, args: argparse.Namespace) -> dict:
         fwd(int(first))
         losses.target_logprobs(h[: int(first)], w, t[: int(first)], args.chunk, compiled=True).sum().backward()
     fwd(args.rows), fwd_bwd(), torch.cuda.synchronize()
-    return {"variant": variant, "forward_ms": _time_ms(lambda: fwd(args.rows), args.repeats),
-            "fwd_bwd_ms": _time_ms(fwd_bwd, args.repeats),
-            "mm_ms": _time_ms(lambda: torch.mm(h.detach(), w.detach().T), args.repeats)}
+    return {"variant": variant, "forward_ms": events_ms(lambda: fwd(args.rows), args.repeats),
+            "fwd_bwd_ms": events_ms(fwd_bwd, args.repeats),
+            "mm_ms": events_ms(lambda: torch.mm(h.detach(), w.detach().T), args.repeats)}
 
 
 def main() -> None:

@@ -705,6 +705,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: make_optimizer's choice (fused on CUDA); foreach: the multi-tensor loop")
     ap.add_argument("--fa4-bwd-order", default="auto", choices=("auto", "fa4", "heads-fast", "heads-4"),
                     help="FA4's Hopper backward grid order: auto (per pack), fa4 (the library's), heads-fast")
+    ap.add_argument("--logprob-kernels", default="auto", choices=("auto", "inductor"),
+                    help="the language-model head's log-prob passes: auto (Triton kernels on CUDA) or inductor "
+                         "(the compiled reference; A/B)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="markdown report (rewritten after each job)")
     ap.add_argument("--json-out", type=Path, default=None, help="raw results (JSON), rewritten per job")
@@ -719,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     from treepack.kernels.tree_attention import fa4
 
     fa4.FA4_BWD_ORDER = args.fa4_bwd_order
+    from treepack.train import losses
+
+    losses.LOGPROB_KERNELS = args.logprob_kernels
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -742,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
                f"tokens; {args.repeats} timed steps after one warm-up (fewer when a step takes over "
                f"{args.max_step_seconds:g} s), median"),
               (f"- tree packs: tokens in `{args.child_order}` DFS order (`--child-order`, `data.child_order`); "
-               f"FA4 backward grid order {args.fa4_bwd_order}")]
+               f"FA4 backward grid order {args.fa4_bwd_order}; log-prob kernels {args.logprob_kernels}")]
     bench = Bench(args, device, autocast_dtype, log)
 
     def flush() -> None:

@@ -41,6 +41,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from treepack.errors import ConfigError, InputError, TreepackError
+from treepack.kernels.logprobs import (
+    grad_logits_reference_,
+    grad_logits_triton_,
+    lse_and_logprob_reference,
+    lse_and_logprob_triton,
+    triton_supported,
+)
 from treepack.pack.layout import Pack
 from treepack.train.compiled import pick
 from treepack.train.transfer import to_device
@@ -61,11 +68,17 @@ def _mm_dtype(hidden: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _chunk_logprobs(logits_CV: Tensor, target_C: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(log-sum-exp, log-prob of the target) of each row, accumulated in ``acc``."""
-    logits_CV = logits_CV.to(acc)
-    lse_C = torch.logsumexp(logits_CV, dim=-1)
-    return lse_C, logits_CV.gather(1, target_C[:, None])[:, 0] - lse_C
+LOGPROB_KERNELS = "auto"  # auto: `treepack.kernels.logprobs`' Triton kernels where they run; "inductor": the
+# compiled reference everywhere (the A/B baseline of benchmarks/logprob_kernels.py)
+
+
+def _triton_logprobs(logits: Tensor, acc: torch.dtype) -> bool:
+    """Whether the compiled path runs the Triton kernels on these logits: CUDA, float32 accumulation.
+
+    Why: compiled from the reference, Inductor read a 4,096 x 151,936 bf16 chunk at 1.29 TB/s (0.965 ms; its
+    log-sum-exp reads each row twice) and rewrote a backward block at 1.20 TB/s; the kernels 2.65 / 2.68 TB/s
+    (1x H100, results/2026-11-26-logprob-kernels-h100.md)."""
+    return LOGPROB_KERNELS == "auto" and acc == torch.float32 and triton_supported(logits)
 
 
 MIN_STATIC_ROWS = 64
@@ -96,7 +109,7 @@ def _padded_chunk_logprobs(h_RD: Tensor, w_VD: Tensor, target_R: Tensor, chunk: 
     R, V = h_RD.shape[0], w_VD.shape[0]
     if R == 0:
         return
-    logprobs = pick(_chunk_logprobs, True, dynamic=False)
+    logprobs = pick(lse_and_logprob_reference, True, dynamic=False)
     last = R - (R - 1) // chunk * chunk
     padded_R = R - last + static_rows(last, chunk)
     target_P = F.pad(target_R, (0, padded_R - R))
@@ -110,16 +123,6 @@ def _padded_chunk_logprobs(h_RD: Tensor, w_VD: Tensor, target_R: Tensor, chunk: 
             torch.mm(h_RD[r0 : r0 + C], w_VD.T, out=buffer_SV[:C])
             lse_S, logp_S = logprobs(buffer_SV, target_P[r0 : r0 + S], acc)
             lse_R[r0 : r0 + C], logp_R[r0 : r0 + C] = lse_S[:C], logp_S[:C]
-
-
-def _block_grad_logits_(logits_RB: Tensor, lse_R: Tensor, g_R: Tensor, target_R: Tensor, v0: int) -> None:
-    """Overwrite a block of logits (vocabulary columns [v0, v0 + B)) with d(sum_r g_r logp_r) / d logits
-    = g_r (onehot(target_r) - softmax(logits_r)), computed in ``lse_R``'s dtype: one pointwise pass, in
-    place (no second [R, B] buffer at the backward's memory peak), the one-hot a comparison, not a scatter."""
-    acc = lse_R.dtype
-    hit_RB = (torch.arange(logits_RB.shape[1], device=logits_RB.device) + v0)[None, :] == target_R[:, None]
-    p_RB = torch.exp(logits_RB.to(acc) - lse_R[:, None])
-    logits_RB.copy_(g_R.to(acc)[:, None] * (hit_RB.to(acc) - p_RB))
 
 
 _WIDE_GEMM: dict[str, bool] = {"cuda": True}
@@ -179,10 +182,18 @@ class _TargetLogProb(torch.autograd.Function):
         R = h_RD.shape[0]
         logp_R = torch.empty(R, dtype=acc, device=h_RD.device)
         lse_R = torch.empty(R, dtype=acc, device=h_RD.device)
-        if compiled and STATIC_CHUNKS:
+        if compiled and R and _triton_logprobs(h_RD, acc):
+            buffer_CV = h_RD.new_empty(min(chunk, R), w_VD.shape[0])
+            with torch.autocast(h_RD.device.type, enabled=False):  # an out= matmul; inputs are already cast
+                for r0 in range(0, R, chunk):
+                    C = min(chunk, R - r0)
+                    torch.mm(h_RD[r0 : r0 + C], w_VD.T, out=buffer_CV[:C])
+                    lse_and_logprob_triton(buffer_CV[:C], target_R[r0 : r0 + C], acc,
+                                           out=(lse_R[r0 : r0 + C], logp_R[r0 : r0 + C]))
+        elif compiled and STATIC_CHUNKS:
             _padded_chunk_logprobs(h_RD, w_VD, target_R, chunk, acc, lse_R, logp_R)
         else:
-            logprobs = pick(_chunk_logprobs, compiled)
+            logprobs = pick(lse_and_logprob_reference, compiled)
             for r0 in range(0, R, chunk):
                 lse_R[r0 : r0 + chunk], logp_R[r0 : r0 + chunk] = logprobs(
                     h_RD[r0 : r0 + chunk] @ w_VD.T, target_R[r0 : r0 + chunk], acc
@@ -201,11 +212,12 @@ class _TargetLogProb(torch.autograd.Function):
         R, V = h_RD.shape[0], w_VD.shape[0]
         grad_h_RD = torch.zeros(hidden_RD.shape, dtype=acc, device=h_RD.device) if need_h else None
         grad_w_VD = torch.empty_like(weight_VD) if need_w else None
-        grad_logits_ = pick(_block_grad_logits_, ctx.compiled)
         B = vocab_block(R, V, ctx.chunk)
         for v0 in range(0, V, B):
             w_BD = w_VD[v0 : v0 + B]
             grad_RB = h_RD @ w_BD.T
+            grad_logits_ = (grad_logits_triton_ if ctx.compiled and _triton_logprobs(grad_RB, acc)
+                            else pick(grad_logits_reference_, ctx.compiled))
             grad_logits_(grad_RB, lse_R, grad_R, target_R, v0)
             if need_h:
                 _matmul_into(grad_h_RD, grad_RB, w_BD, accumulate=True)

@@ -293,10 +293,14 @@ class DfsMode(Mode):
         if g is not None and g.failed:
             return None
         if g is None or not g.fits(model, rows, tokens, dtype):
+            met = None
             if g is not None:  # a longer path or call than the graphs were sized for: room to grow
                 rows, tokens = max(rows, g.rows), max(tokens, g.n_cap)
-            self._graphs = None
+                met = g.history()  # the shapes met so far still count as met (captured on second sight)
+            self._graphs = g = None  # the old graphs' pool goes before the new buffers are allocated
             g = self._graphs = CallGraphs(model, _PathCache, rows, tokens, dtype)
+            if met is not None:
+                g.inherit(*met)
         return g
 
     def schedule(self, pack: Pack, rows: LossRows | None = None) -> Schedule:

@@ -161,6 +161,16 @@ class CallGraphs:
         self.captures = self.replays = self.eager = 0
         self.pool_bytes = 0  # device memory the graphs' pool holds (not in max_memory_allocated after capture)
 
+    def history(self) -> tuple[set[tuple], tuple[int, int, int]]:
+        """The call shapes met and the (captures, replays, eager) counts, for the graphs that replace these."""
+        return self.seen, (self.captures, self.replays, self.eager)
+
+    def inherit(self, seen: set[tuple], counts: tuple[int, int, int]) -> None:
+        """Take over the history of the graphs these replace (theirs were sized for smaller packs and go):
+        without it, every pack met before the first larger one would start over at first sight."""
+        self.seen |= seen
+        self.captures, self.replays, self.eager = counts
+
     def _ptrs(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.params)
 
