@@ -102,6 +102,21 @@ def test_length_dependent_rope_refuses_packs_across_its_threshold():
     assert max(float((g.detach() - r.detach()).abs().max()) for g, r in zip(got, ref)) <= 1e-9
 
 
+def test_exact_float64_casts_integer_positions_to_float64():
+    """Rotary embeddings multiply float64 inverse frequencies by ``position_ids.float()`` (transformers releases
+    differ in which operand they cast): under exact_float64 every cast to a low float gives float64, integer
+    inputs included, so the product runs in float64 instead of failing on mixed dtypes."""
+    inv = torch.rand(4, dtype=torch.float64)
+    pos = torch.arange(5)
+    with exact_float64():
+        a, b = inv[None, :, None].float(), pos[None, None, :].float()
+        assert (a.dtype, b.dtype, (a @ b).dtype) == (torch.float64,) * 3
+        assert pos.to(torch.float32).dtype == torch.float64
+        assert pos.type_as(torch.zeros(1, dtype=torch.bfloat16)).dtype == torch.float64
+        assert pos.to("cpu").dtype == torch.int64 and pos.long().dtype == torch.int64
+    assert pos.float().dtype == torch.float32  # outside the block, untouched
+
+
 def test_unknown_head_family_uses_the_models_own_logits():
     """Granite scales its logits after lm_head: not a family whose head we run, so the model's own forward
     computes them (logits_to_keep = the needed rows) and the numbers still match."""

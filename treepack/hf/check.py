@@ -203,16 +203,19 @@ class exact_float64(torch.overrides.TorchFunctionMode):
     in the tree and *after* it per sequence: the two gradients then differ by float32 rounding (~1e-7
     relative) although both are correct to that precision. Under this mode both are float64 end to end
     and agree to ~1e-15 (tests/test_hf_equivalence.py runs the 1e-9 gradient checks in it).
+
+    Integer and boolean tensors cast to a low float become float64 too: rotary embeddings multiply the
+    (float64) inverse frequencies by ``position_ids.float()``, which would otherwise be float32.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         x = args[0] if args else None
-        if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
+        if isinstance(x, torch.Tensor) and (x.dtype == torch.float64 or not x.is_floating_point()):
             if func is torch.Tensor.float:
-                return x
+                return x.double()
             if func is torch.Tensor.type_as and args[1].dtype in _LOW_FLOATS:
-                return x
+                return x.double()
             if func is torch.Tensor.to:
                 args = tuple(torch.float64 if isinstance(a, torch.dtype) and a in _LOW_FLOATS else a for a in args)
                 if kwargs.get("dtype") in _LOW_FLOATS:
