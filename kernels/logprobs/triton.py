@@ -1,9 +1,10 @@
 """Triton kernels for the language-model head's two memory-bound passes over a chunk of logits.
 
-Why not Inductor: compiled from `reference`, the forward's log-sum-exp reads each row twice (its maximum,
-then the sum) and the backward's in-place pass indexes a flattened [R, B] block with a 64-bit division by a
-runtime B per element. Here the forward reads a row once (a running maximum and sum per block of columns)
-and the backward walks one row per program, so both run at the memory bandwidth.
+Why not Inductor: compiled from `reference`, both passes ran at ~1.2-1.3 TB/s on an H100. The forward's
+log-sum-exp is a maximum, then a sum, each a pass over the row (1.29 TB/s counted once is 2.6 counted
+twice); why the pointwise backward stays at 1.2 was not pinned down (its flattened [R, B] index is one
+suspect). Here the forward reads a row once (a running maximum and sum per block of columns) and the
+backward walks one row span per program: 2.5-2.7 TB/s (results/2026-11-26-logprob-kernels-h100.md).
 
 Legend: R rows (each one position's logits over the vocabulary, or a block of it), V / B columns.
 """
