@@ -412,9 +412,14 @@ def main(argv=None) -> int:
     ap.add_argument("--runners", default="hf-seq,hf-leaf,hf-tree,ours-tree")
     ap.add_argument("--sections", default="agreement,check,backends,speed",
                     help="comma-separated subset of agreement, check, backends, speed")
+    ap.add_argument("--logprob-kernels", default="auto", choices=("auto", "inductor"),
+                    help="the head's log-prob passes: auto (Triton kernels on CUDA) or inductor (the reference; A/B)")
     ap.add_argument("--out", default=None)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    from treepack.train import losses
+
+    losses.LOGPROB_KERNELS = args.logprob_kernels
     t_start = time.perf_counter()
     deadline = t_start + args.deadline
     size = "tiny" if args.tiny else args.size or ("0.6b" if torch.cuda.is_available() else "small")

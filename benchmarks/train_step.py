@@ -707,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="FA4's Hopper backward grid order: auto (per pack), fa4 (the library's), heads-fast")
     ap.add_argument("--logprob-kernels", default="auto", choices=("auto", "inductor"),
                     help="the language-model head's log-prob passes: auto (Triton kernels on CUDA) or inductor "
-                         "(the compiled reference; A/B)")
+                         "(the reference, compiled where the step compiles; A/B)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="markdown report (rewritten after each job)")
     ap.add_argument("--json-out", type=Path, default=None, help="raw results (JSON), rewritten per job")

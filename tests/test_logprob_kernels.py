@@ -3,7 +3,7 @@
 Without CUDA they run under Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before the
 kernels are defined), on random shapes drawn by hypothesis, with small column blocks so that every row is split
 into spans and every span loops. With CUDA they run compiled instead, at Qwen3's vocabulary, and through
-`target_logprobs` forward and backward against the compiled reference (the interpreter of older Triton
+`target_logprobs` forward and backward against the reference, compiled and eager (the interpreter of older Triton
 releases, such as 3.6, cannot run loops whose bounds are kernel arguments).
 """
 
@@ -112,7 +112,10 @@ def test_triton_kernels_match_the_reference_on_cuda(rows, vocab):
 
 @cuda
 @pytest.mark.gpu
-def test_target_logprobs_with_triton_kernels_matches_the_compiled_reference(monkeypatch):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_target_logprobs_with_triton_kernels_matches_the_reference(compiled, monkeypatch):
+    """Compiled path (against the Inductor-compiled reference) and eager callers such as `treepack.hf`'s
+    head (against the eager reference): same log-probs and gradients within bf16 rounding."""
     from treepack.train import losses
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -125,7 +128,7 @@ def test_target_logprobs_with_triton_kernels_matches_the_compiled_reference(monk
     for kernels in ("inductor", "auto"):
         monkeypatch.setattr(losses, "LOGPROB_KERNELS", kernels)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logp = losses.target_logprobs(h, w, t, 1024, compiled=True)
+            logp = losses.target_logprobs(h, w, t, 1024, compiled=compiled)
         gh, gw = torch.autograd.grad((coef * logp).sum(), (h, w))
         out[kernels] = (logp.detach(), gh, gw)
     for a, b in zip(out["inductor"], out["auto"]):

@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from treepack.errors import TreepackError
 
 IMPLEMENTATION = "treepack"  # the attn_implementation name registered with transformers
-ATTENTION = ("auto", "reference", "flex", "triton")
+ATTENTION = ("auto", "reference", "flex", "triton", "fa4")
 # Keywords models pass to attention functions that carry no math for a tree forward without a cache.
 _INERT_KWARGS = frozenset({
     "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
@@ -243,14 +243,14 @@ def tree_attention_any(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, mask: TreeMa
     if impl == "auto":
         if not on_cuda:
             impl = "reference"
-        elif plain:
-            impl = "triton" if triton_unsupported_reason(q_THE) is None else "flex"
+        elif plain:  # the kernels' own choice per call (FA4 when installed and the call is large, else Triton)
+            impl = "auto" if triton_unsupported_reason(q_THE) is None else "flex"
         else:
             # Soft-cap / window: FlexAttention in half precision. In float32 its compiled kernels failed to
             # lower for a soft-capped Gemma 2 (torch 2.11, H100), so float32 takes the chunked torch path.
             impl = "flex" if q_THE.dtype in (torch.bfloat16, torch.float16) else "reference"
-    if impl == "triton" and not plain:
-        raise TreeAttentionError("attention='triton': the Triton tree kernel has no sliding window or soft-capping; "
+    if impl in ("triton", "fa4") and not plain:
+        raise TreeAttentionError(f"attention={impl!r}: the {impl} tree kernel has no sliding window or soft-capping; "
                                  "use attention='flex' (CUDA) or 'auto'")
     if impl == "flex":
         if not on_cuda and torch.is_grad_enabled() and q_THE.requires_grad:

@@ -40,8 +40,9 @@ def token_logprobs(model: nn.Module, sequences: Sequence, *, capacity: int | Non
     w.r.t. the model's parameters, computed by tree packing through the model's own modules.
 
     ``capacity``: most tree tokens per forward (None: all sequences in one pack); ``attention``: auto |
-    reference | flex | triton; ``check``: on the first call per model (and dtype, device, attention), run
-    the self-check (`treepack.hf.check`) and raise `SelfCheckError` if tree and per-sequence disagree;
+    reference | flex | triton | fa4 (auto, on CUDA: FA4 for large calls when installed, else the Triton
+    kernel); ``check``: on the first call per model (and dtype, device, attention), run the self-check
+    (`treepack.hf.check`) and raise `SelfCheckError` if tree and per-sequence disagree;
     ``temperature``: divide the logits by it (score samples drawn at that temperature);
     ``return_entropy``: also return each target's predictive entropy, ``(logps, entropies)``.
     Log-probs are float32 (float64 for float64 models), in input order; empty for sequences of < 2 tokens.

@@ -68,12 +68,14 @@ def _mm_dtype(hidden: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-LOGPROB_KERNELS = "auto"  # auto: `treepack.kernels.logprobs`' Triton kernels where they run; "inductor": the
-# compiled reference everywhere (the A/B baseline of benchmarks/logprob_kernels.py)
+LOGPROB_KERNELS = "auto"  # auto: `treepack.kernels.logprobs`' Triton kernels where they run, compiled path or
+# eager; "inductor": the reference everywhere, compiled by Inductor on the compiled path (the A/B baseline of
+# benchmarks/logprob_kernels.py)
 
 
 def _triton_logprobs(logits: Tensor, acc: torch.dtype) -> bool:
-    """Whether the compiled path runs the Triton kernels on these logits: CUDA, float32 accumulation.
+    """Whether the Triton kernels run on these logits: CUDA, float32 accumulation (eager callers, such as
+    `treepack.hf`'s head, included).
 
     Why: compiled from the reference, Inductor read a 4,096 x 151,936 bf16 chunk at 1.29 TB/s (0.965 ms; its
     log-sum-exp reads each row twice) and rewrote a backward block at 1.20 TB/s; the kernels 2.65 / 2.68 TB/s
@@ -182,7 +184,7 @@ class _TargetLogProb(torch.autograd.Function):
         R = h_RD.shape[0]
         logp_R = torch.empty(R, dtype=acc, device=h_RD.device)
         lse_R = torch.empty(R, dtype=acc, device=h_RD.device)
-        if compiled and R and _triton_logprobs(h_RD, acc):
+        if R and _triton_logprobs(h_RD, acc):
             buffer_CV = h_RD.new_empty(min(chunk, R), w_VD.shape[0])
             with torch.autocast(h_RD.device.type, enabled=False):  # an out= matmul; inputs are already cast
                 for r0 in range(0, R, chunk):
@@ -216,7 +218,7 @@ class _TargetLogProb(torch.autograd.Function):
         for v0 in range(0, V, B):
             w_BD = w_VD[v0 : v0 + B]
             grad_RB = h_RD @ w_BD.T
-            grad_logits_ = (grad_logits_triton_ if ctx.compiled and _triton_logprobs(grad_RB, acc)
+            grad_logits_ = (grad_logits_triton_ if _triton_logprobs(grad_RB, acc)
                             else pick(grad_logits_reference_, ctx.compiled))
             grad_logits_(grad_RB, lse_R, grad_R, target_R, v0)
             if need_h:
@@ -232,8 +234,9 @@ class _TargetLogProb(torch.autograd.Function):
 def target_logprobs(hidden_RD: Tensor, weight_VD: Tensor, target_R: Tensor,
                     chunk_rows: int = DEFAULT_CHUNK_ROWS, *, compiled: bool = False) -> Tensor:
     """Log-prob [R] of ``target_R`` under ``softmax(hidden_RD @ weight_VD.T)``, in float32 (float64 for
-    float64 inputs), at most ``chunk_rows`` x V logits alive at a time in forward and backward;
-    ``compiled``: the softmax passes through `torch.compile` (CUDA)."""
+    float64 inputs), at most ``chunk_rows`` x V logits alive at a time in forward and backward. On CUDA
+    with float32 accumulation the softmax passes are `treepack.kernels.logprobs`' Triton kernels; elsewhere
+    the reference, through `torch.compile` when ``compiled``."""
     if hidden_RD.shape[0] == 0:
         acc = torch.float64 if hidden_RD.dtype == torch.float64 else torch.float32
         return (hidden_RD.sum(-1) + weight_VD.sum() * 0).to(acc)  # empty, still attached to the graph
