@@ -85,7 +85,7 @@ def reference_logprobs(model, seqs, *, temperature: float = 1.0) -> list[torch.T
     """The model's own forward, one sequence at a time, full logits: log p(x_t | x_<t), t >= 1."""
     out = []
     for s in seqs:
-        ids = torch.tensor(s)[None]
+        ids = torch.tensor(s, device=model.device)[None]
         logits = model(input_ids=ids).logits[0, :-1] / temperature
         acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
         out.append(torch.log_softmax(logits.to(acc), -1).gather(1, ids[0, 1:, None])[:, 0])

@@ -14,17 +14,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hf_models import reference_logprobs
+from test_fa4_gpu import _fa4_ready
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 512
-
-
-def _fa4_ready() -> bool:
-    from treepack.kernels.tree_attention import fa4
-
-    return fa4.fa4_supported_device(torch.device("cuda")) and fa4.fa4_importable()
 
 
 def _model():
@@ -52,11 +48,7 @@ def _run(model, seqs, coef, attention: str | None, autocast: bool):
     model.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         if attention is None:  # the model's own forward, one sequence at a time
-            lps = []
-            for s in seqs:
-                ids = torch.tensor(s, device="cuda")[None]
-                logits = model(input_ids=ids).logits[0, :-1].float()
-                lps.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0])
+            lps = reference_logprobs(model, seqs)
         else:
             lps = token_logprobs(model, seqs, attention=attention)
     lp = torch.cat(lps)
