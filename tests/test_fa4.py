@@ -204,17 +204,28 @@ def test_tail_share_is_cached_on_the_pack():
     assert first > 0 and fa4.fa4_tail_share(info) == -1.0
 
 
-@pytest.mark.parametrize(("value", "expect"), [("heads-fast", "heads-fast"), (" FA4 ", "fa4"), ("", "auto"),
-                                               ("sideways", "auto")])
-def test_bwd_order_from_the_environment(value, expect):
+@pytest.mark.parametrize(("variable", "value", "expect", "warning"), [
+    ("TREEPACK_FA4_BWD_ORDER", "heads-fast", "FA4_BWD_ORDER=heads-fast", None),
+    ("TREEPACK_FA4_BWD_ORDER", " FA4 ", "FA4_BWD_ORDER=fa4", None),
+    ("TREEPACK_FA4_BWD_ORDER", "", "FA4_BWD_ORDER=auto", None),
+    ("TREEPACK_FA4_BWD_ORDER", "sideways", "FA4_BWD_ORDER=auto", "TREEPACK_FA4_BWD_ORDER='sideways' is not auto"),
+    ("TREEPACK_FA4_MASK", "per-score", "MASK_PER_KEY=False", None),
+    ("TREEPACK_FA4_MASK", " Per-Key ", "MASK_PER_KEY=True", None),
+    ("TREEPACK_FA4_MASK", "", "MASK_PER_KEY=True", None),
+    ("TREEPACK_FA4_MASK", "per-pair", "MASK_PER_KEY=True", "TREEPACK_FA4_MASK='per-pair' is not per-key or per-score"),
+])
+def test_fa4_settings_from_the_environment(variable, value, expect, warning):
+    """The run-wide FA4 settings read at import; an unknown value warns once and keeps the default."""
     import subprocess
     import sys
 
-    code = "from treepack.kernels.tree_attention import fa4; print(fa4.FA4_BWD_ORDER)"
+    name = expect.split("=")[0]
+    code = f"from treepack.kernels.tree_attention import fa4; print('{name}=' + str(fa4.{name}))"
     run = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, "TREEPACK_FA4_BWD_ORDER": value})
+                         env={**__import__("os").environ, variable: value})
     assert run.stdout.strip() == expect
-    assert ("TREEPACK_FA4_BWD_ORDER='sideways' is not auto" in run.stderr) == (value == "sideways")
+    assert (warning is not None and warning in run.stderr) == (warning is not None)
+    assert "RuntimeWarning" not in run.stderr or warning is not None
 
 
 @settings(max_examples=25, deadline=None)

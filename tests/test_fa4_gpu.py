@@ -120,6 +120,36 @@ def test_heads_fast_backward_is_the_library_order_bit_for_bit_on_dk_dv():
         assert torch.allclose(a[1].float(), b[1].float(), rtol=0, atol=2 ** -6 * float(b[1].abs().max()))
 
 
+@pytest.mark.parametrize("tree", ["random_1025", "forest_of_chains", "star_500_siblings"])
+@pytest.mark.parametrize(("P", "block_q"), [(0, 128), (129, 128), (300, 80)])
+def test_per_key_mask_is_fa4s_per_score_mask_bit_for_bit(tree, P, block_q, monkeypatch):
+    """The tree mask read once per key column (`fa4_mask`, installed into FA4) masks exactly the scores FA4's
+    own per-score evaluation of the mask_mod does: out, dK and dV equal bit for bit (dQ: float32 atomics,
+    within rounding), forward tiles and transposed backward tiles, with a prefix and ragged blocks."""
+    from treepack.kernels.tree_attention import fa4, fa4_mask
+
+    assert fa4_mask.patch_fa4_mask() == ""
+    monkeypatch.setenv("TREEPACK_FA4_REPLAY", "off")  # a replayed launch would keep the other variant's kernel
+    monkeypatch.setattr(fa4, "FA4_BWD_BLOCK_Q", block_q)
+    se = TREES[tree]().cuda()
+    T, H, K, D = se.numel(), 16, 8, 128
+    q, k, v, pk, pv = make_qkv(T, H, K, D, dtype=torch.bfloat16, seed=7 + P, P=P, device="cuda")
+    dout = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    info = prepare(se)
+    pre = {"prefix_k": pk, "prefix_v": pv} if P else {}
+    got = {}
+    for per_key in (False, True):
+        monkeypatch.setattr(fa4, "MASK_PER_KEY", per_key)
+        fa4._tree_mask_mod.cache_clear()
+        fa4._fa4.cache_clear()
+        got[per_key] = _grads(lambda *t: tree_attention(*t, info, impl="fa4", **pre), [q, k, v], dout)
+    fa4._tree_mask_mod.cache_clear()
+    fa4._fa4.cache_clear()
+    a, b = got[False], got[True]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+    assert torch.allclose(a[1].float(), b[1].float(), rtol=0, atol=2 ** -6 * float(a[1].abs().max()))
+
+
 @pytest.mark.parametrize("P", [0, 129])
 def test_fa4_launch_replay_matches_fa4_and_the_reference(P, monkeypatch):
     """Five calls of one shape: plain, recorded, three replays, each checked against FA4's own path

@@ -19,6 +19,10 @@ How: FA4 takes one [1, S, H, D] problem with
   is visible to query m iff ``n - P <= m < key_end[n]``, with ``P = seqlen_k - seqlen_q`` (so prefix keys,
   ``key_end = T``, are visible to all queries and pack key n - P has ``key_end = subtree_end[n - P]``). With
   P = 0 this is the contract ``k <= q < subtree_end[k]``.
+FA4 evaluates a mask_mod per score of a partial block; `fa4_mask` installs into FA4's mask loop a version that
+reads ``key_end`` once per key column of a tile (a key's visible queries are one interval): FA4's fwd+bwd 0.85x
+on a ToolBench pack, 0.92x on tau-bench, the same bits (results/2026-11-26-fa4-mask-per-key-h100.md).
+``TREEPACK_FA4_MASK=per-score`` keeps FA4's own loop, for comparison.
 The prefix is concatenated in front of the pack's keys (a copy of (P + T) x Hkv x D per call, ~1% of the
 attention time at P = T) and its gradient split off again.
 
@@ -51,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .blocks import TreeMaskInfo
+from .fa4_mask import KEY_INTERVAL_ATTR, patch_fa4_mask
 from .fa4_replay import LaunchReplay, ReplayStats
 from .ops import register_kernel_ops
 
@@ -67,6 +72,15 @@ FA4_DTYPES = (torch.bfloat16, torch.float16)
 FA4_HEAD_DIMS = (64, 128)
 FA4_ARCH_MAJORS = (9, 10)  # Hopper, Blackwell (datacenter)
 
+# the tree mask read once per key column of a partial block (`fa4_mask`, the default) or, for comparison, FA4's
+# own per-score evaluation: TREEPACK_FA4_MASK=per-key|per-score sets it for a run
+FA4_MASK = os.environ.get("TREEPACK_FA4_MASK", "per-key").strip().lower() or "per-key"
+if FA4_MASK not in ("per-key", "per-score"):
+    warnings.warn(f"TREEPACK_FA4_MASK={FA4_MASK!r} is not per-key or per-score: using per-key", RuntimeWarning,
+                  stacklevel=1)
+    FA4_MASK = "per-key"
+MASK_PER_KEY = FA4_MASK == "per-key"
+
 _IMPORT_ERROR: list[str] = []
 
 
@@ -76,6 +90,7 @@ def _fa4():
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
+    patch_fa4_mask()  # before any kernel is built: kernels built from here read key_end once per key column
     return _flash_attn_fwd, _flash_attn_bwd, BlockSparseTensorsTorch, _tree_mask_mod("")
 
 
@@ -83,7 +98,8 @@ def _fa4():
 def _tree_mask_mod(variant: str):
     """The mask_mod: key n visible to query m iff ``n - P <= m < key_end[n]``. A non-empty ``variant`` names
     a kernel built differently around the same mask (FA4 keys its compile caches, in memory and on disk, by
-    the mask_mod's hash, not by our scheduler): it is mixed into the hash."""
+    the mask_mod's hash, not by our scheduler): it is mixed into the hash. Marked ``__key_interval__`` (when
+    `MASK_PER_KEY`): `fa4_mask` evaluates it once per key column where it is installed."""
     import hashlib
 
     import cutlass
@@ -97,9 +113,11 @@ def _tree_mask_mod(variant: str):
         offset = utils.scalar_to_ssa(seqlen_info.seqlen_k - seqlen_info.seqlen_q, cutlass.Int32)
         return (n_idx <= m_idx + offset) & (m_idx < end)
 
-    if variant:
-        base = utils.hash_callable(tree_mask_mod, set_cute_hash=False)
-        tree_mask_mod.__cute_hash__ = hashlib.sha256(f"{base}:{variant}".encode()).hexdigest()
+    setattr(tree_mask_mod, KEY_INTERVAL_ATTR, MASK_PER_KEY)
+    base = utils.hash_callable(tree_mask_mod, set_cute_hash=False)
+    tag = f"{variant}:per-key" if MASK_PER_KEY else variant
+    if tag:
+        tree_mask_mod.__cute_hash__ = hashlib.sha256(f"{base}:{tag}".encode()).hexdigest()
     return tree_mask_mod
 
 
