@@ -90,7 +90,10 @@ def _fa4():
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
-    patch_fa4_mask()  # before any kernel is built: kernels built from here read key_end once per key column
+    # before any kernel is built: kernels built from here read key_end once per key column
+    if MASK_PER_KEY and (reason := patch_fa4_mask()):
+        warnings.warn(f"the tree mask runs per score in FA4 (same results, slower): {reason}", RuntimeWarning,
+                      stacklevel=2)
     return _flash_attn_fwd, _flash_attn_bwd, BlockSparseTensorsTorch, _tree_mask_mod("")
 
 

@@ -11,7 +11,11 @@ How: a key's visible queries are one interval, ``n - P <= m < key_end[n]``. `pat
 the interval's end once per key column of the thread's tile and compares each row against it; every other
 ``mask_mod`` (and causal, local, PackGQA) goes to FA4's own code unchanged. The mask_mod itself stays a
 complete per-score mask, so where the wrapper cannot be installed (a flash-attn-4 whose ``apply_mask`` has a
-different signature) FA4 evaluates it per score and results are the same.
+different signature) FA4 evaluates it per score and results are the same. ``apply_mask`` is the mask loop of
+FA4's Hopper (sm90) kernels; its Blackwell kernels have their own loops, untouched here (per score there).
+
+Measured (1x H100, results/2026-11-26-fa4-mask-per-key-h100.md): FA4's fwd+bwd 0.85x on a ToolBench pack,
+0.92x on tau-bench, as fast as a mask with no read at all; out, dK and dV bit for bit.
 
 Key end: ``aux_tensors[0]``, int32, one entry per key padded with zeros to a multiple of 128 keys; entries
 past ``seqlen_k`` are never read (a column past it is masked). Every entry is <= seqlen_q, so query rows past
