@@ -79,16 +79,42 @@ def load_checkpoint(output_dir: str | Path, model: Decoder, optimizer: torch.opt
     with torch.no_grad():
         for (name, p), (_, q) in zip(model.named_parameters(), saved.named_parameters()):
             p.copy_(q)
-    tensors = load_file(str(path / "optimizer.safetensors"), device=str(model.device))
-    for name, p in model.named_parameters():
-        per_param = {key.rsplit(".", 1)[1]: t for key, t in tensors.items() if key.rsplit(".", 1)[0] == name}
-        if "step" in per_param:  # AdamW keeps its step count on the CPU unless capturable/fused
-            per_param["step"] = per_param["step"].cpu()
-        if per_param:
-            optimizer.state[p] = per_param
-    for group, saved_group in zip(optimizer.param_groups, state.pop("param_groups", [])):
-        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved_group.items()})
+    tensors = load_file(str(path / "optimizer.safetensors"))  # to the device below, by the optimizer
+    names = {id(p): n for n, p in model.named_parameters()}
+    per_param: dict[str, dict] = {}
+    for key, t in tensors.items():
+        name, sub = key.rsplit(".", 1)
+        per_param.setdefault(name, {})[sub] = t
+    # torch's own loader puts each state tensor where this optimizer's implementation needs it (AdamW's
+    # step count on the CPU, or on the parameter's device for the fused and capturable kernels)
+    index, state_by_index, groups = 0, {}, []
+    for group, saved in zip(optimizer.param_groups, saved_groups(optimizer, state.pop("param_groups", []))):
+        ids = []
+        for p in group["params"]:
+            if names[id(p)] in per_param:
+                state_by_index[index] = per_param[names[id(p)]]
+            ids.append(index)
+            index += 1
+        groups.append({**saved, "params": ids})
+    optimizer.load_state_dict({"state": state_by_index, "param_groups": groups})
     return state
+
+
+# Optimizer settings that choose an implementation for this run's devices, not hyper-parameters: a run
+# saved on a GPU (fused AdamW) resumes on a CPU or sharded, and the other way round.
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def saved_groups(optimizer: torch.optim.Optimizer, saved: list[dict]) -> list[dict]:
+    """The saved param groups' hyper-parameters (lr, betas, weight decay, ...) over ``optimizer``'s own
+    groups, keeping this optimizer's implementation settings; without ``params``."""
+    out = []
+    for group, old in zip(optimizer.param_groups, saved + [{}] * (len(optimizer.param_groups) - len(saved))):
+        merged = {k: v for k, v in group.items() if k != "params"}
+        merged.update({k: tuple(v) if isinstance(v, list) else v for k, v in old.items()
+                       if k not in IMPLEMENTATION_KEYS and k != "params"})
+        out.append(merged)
+    return out
 
 
 def check_architecture(path: Path, model: Decoder) -> None:

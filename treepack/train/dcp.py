@@ -23,7 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from treepack.train.checkpoint import CHECKPOINT_DIR, check_architecture, checkpoint_path, load_dcp
+from treepack.train.checkpoint import (
+    CHECKPOINT_DIR,
+    check_architecture,
+    checkpoint_path,
+    load_dcp,
+    saved_groups,
+)
 from treepack.train.model import Decoder
 
 FORMAT = "dcp"
@@ -121,10 +127,9 @@ def _full_state_from_safetensors(path: Path, model: Decoder, optimizer: torch.op
         name, sub = key.rsplit(".", 1)
         per_param.setdefault(name, {})[sub] = t
     groups = []
-    saved_groups = state.get("param_groups", [])
-    for group, saved in zip(optimizer.param_groups, saved_groups):
+    for group, saved in zip(optimizer.param_groups, saved_groups(optimizer, state.get("param_groups", []))):
         ids = {id(p) for p in group["params"]}
         params = [n for n, p in model.named_parameters() if id(p) in ids]
-        groups.append({**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}, "params": params})
+        groups.append({**saved, "params": params})
     optim_sd = {"state": {n: per_param[n] for n in names if n in per_param}, "param_groups": groups}
     return model_sd, optim_sd
