@@ -4,7 +4,7 @@ What it measures, in one run on one GPU (bf16, Hq 16 x D 128, Hkv 8 by default),
 - ``tree/fa4``: `tree_attention(impl="fa4")`, FlashAttention-4's CuTe DSL kernels with 128 x 128 block
   sparsity and a mask_mod over ``subtree_end`` (optional extra ``treepack[fa4]``);
   (``tree/fa4-headmajor`` / ``tree/fa4-headsfast``: its Hopper backward in FA4's own grid order / heads
-  fastest, instead of the per-pack choice; ``tree/fa4-bwd80``: 80-row backward query blocks);
+  fastest, instead of the per-pack choice; ``tree/fa4-bwd80`` / ``tree/fa4-bwd64``: 80- or 64-row backward query blocks);
 - ``tree/triton``: our Triton kernel (library tiles, pinned);
 - ``tree/flex``: FlexAttention (Triton template) with the same mask;
 - ``dense/sdpa-cudnn``, ``dense/sdpa-flash``: torch's SDPA, one causal call per root-to-leaf sequence of the
@@ -130,13 +130,14 @@ def run_pack(name: str, se_np: np.ndarray, heads: int, kv_heads: int, dim: int, 
            "pairs_dense": pairs_dense, "ms": {}, "fwd_ms": {}, "err": {}, "failed": {}}
     with torch.no_grad():
         ref = tree_attention(*(t.detach() for t in inputs), info, impl="triton")
-    tree = {"tree/fa4": "fa4", "tree/fa4-bwd80": "fa4", "tree/fa4-headmajor": "fa4", "tree/fa4-headsfast": "fa4",
+    tree = {"tree/fa4": "fa4", "tree/fa4-bwd80": "fa4", "tree/fa4-bwd64": "fa4", "tree/fa4-headmajor": "fa4",
+            "tree/fa4-headsfast": "fa4",
             "tree/fa4-heads4": "fa4", "tree/triton": "triton", "tree/flex": "flex"}
     orders = {"tree/fa4-headmajor": "fa4", "tree/fa4-headsfast": "heads-fast", "tree/fa4-heads4": "heads-4"}
     for runner in runners:
         try:
             if runner in tree:
-                block_q = 80 if runner.endswith("bwd80") else 128
+                block_q = int(runner[-2:]) if runner[-5:-2] == "bwd" else 128
                 order = orders.get(runner, "auto")
 
                 def fn(q_, k_, v_, impl=tree[runner], block_q=block_q, order=order):

@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> None:
                          "add per parameter (off); a list runs each")
     ap.add_argument("--fa4-replay", default="on", choices=("on", "off", "check"),
                     help="FA4 launch replay (TREEPACK_FA4_REPLAY): on, off, or checked against FA4 on every call")
-    ap.add_argument("--fa4-bwd-block-q", type=int, default=128, choices=(128, 80),
+    ap.add_argument("--fa4-bwd-block-q", type=int, default=128, choices=(128, 80, 64),
                     help="query rows per block of FA4's backward block lists")
     ap.add_argument("--gc", default=["default"], type=_choices("default", "freeze", "off"),
                     help="Python's garbage collector during the timed steps: as is, everything from the warm-up "

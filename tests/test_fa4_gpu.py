@@ -80,10 +80,11 @@ def test_fa4_matches_reference_within_torch_error(tree, K, P):
 
 @pytest.mark.parametrize("tree", ["random_1025", "chain_4096", "star_500_siblings"])
 @pytest.mark.parametrize("P", [0, 300])
-def test_fa4_backward_on_80_row_query_blocks(tree, P, monkeypatch):
+@pytest.mark.parametrize("block_q", [80, 64])
+def test_fa4_backward_on_80_and_64_row_query_blocks(tree, P, block_q, monkeypatch):
     from treepack.kernels.tree_attention import fa4
 
-    monkeypatch.setattr(fa4, "FA4_BWD_BLOCK_Q", 80)
+    monkeypatch.setattr(fa4, "FA4_BWD_BLOCK_Q", block_q)
     _close_to_reference(tree, 8, P)
 
 

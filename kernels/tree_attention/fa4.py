@@ -64,9 +64,10 @@ __all__ = ["FA4_BLOCK", "FA4_BWD_ORDERS", "FA4_DTYPES", "FA4_HEAD_DIMS", "bwd_or
            "tail_share", "tree_attention_fa4"]
 
 FA4_BLOCK = 128  # FA4's Hopper forward tile (hdim 128) and the block-sparsity granularity it requires there
-# The backward's query blocks: FA4's Hopper backward runs 64-row tiles on 128-row sparse blocks, 80-row tiles
-# (FA3's non-causal hdim-128 choice) on 80-row ones
-FA4_BWD_BLOCKS_Q = (128, 80)
+# The backward's query blocks: FA4's Hopper backward runs 64-row tiles on 128-row and 64-row sparse blocks (two
+# tiles a listed block, or one: then no half-block that the mask empties is visited), 80-row tiles (FA3's
+# non-causal hdim-128 choice) on 80-row ones
+FA4_BWD_BLOCKS_Q = (128, 80, 64)
 FA4_BWD_BLOCK_Q = 128
 FA4_DTYPES = (torch.bfloat16, torch.float16)
 FA4_HEAD_DIMS = (64, 128)
@@ -371,8 +372,10 @@ def tail_share(subtree_end_T, prefix_len: int = 0, *, bwd_block_q: int | None = 
     if prefix_visible is not None:
         hi_P[int(prefix_visible):] = 0
     partial_MN, full_MN = _block_masks(lo_S, torch.cat([hi_P, se_T]), T, bwd_block_q)
-    # a CTA's work: its 64-row query tiles (two per 128-row block; a partial block's mask costs ~1.5x) + 1
-    cost_N = 2 * (full_MN.sum(0).float() + 1.5 * partial_MN.sum(0).float()) + 1.0
+    # a CTA's work: its query tiles (two 64-row tiles per 128-row block, else one per block; a partial block's
+    # mask costs ~1.5x) + 1
+    tiles = 2 if bwd_block_q == 128 else 1
+    cost_N = tiles * (full_MN.sum(0).float() + 1.5 * partial_MN.sum(0).float()) + 1.0
     return float(cost_N.max() * sms / cost_N.sum())
 
 

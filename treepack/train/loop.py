@@ -231,7 +231,9 @@ def _peak_flops(device: torch.device) -> float | None:
     """The bf16 matmul ceiling MFU divides by: measured once per process and GPU (an 8192^3 bf16 matmul on
     random data, median of 20 after 10 warm-ups, ~50 ms: a GPU still at idle clocks would read low and
     inflate MFU), which is what the hardware delivers (H100 / H200: ~740-800 TFLOP/s against a 989
-    datasheet peak); the datasheet table only where measuring fails."""
+    datasheet peak); the datasheet table only where measuring fails. A burst figure, so MFU errs low: after a
+    second of such matmuls the power limit holds them at ~645-680 TFLOP/s, below the ~750 a training step's
+    own GEMMs reach (benchmarks/results/2026-11-26-toolbench-step-h200-h100.md)."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
