@@ -131,13 +131,13 @@ def run_pack(name: str, se_np: np.ndarray, heads: int, kv_heads: int, dim: int, 
     with torch.no_grad():
         ref = tree_attention(*(t.detach() for t in inputs), info, impl="triton")
     tree = {"tree/fa4": "fa4", "tree/fa4-bwd80": "fa4", "tree/fa4-bwd64": "fa4", "tree/fa4-headmajor": "fa4",
-            "tree/fa4-headsfast": "fa4",
-            "tree/fa4-heads4": "fa4", "tree/triton": "triton", "tree/flex": "flex"}
+            "tree/fa4-headsfast": "fa4", "tree/fa4-heads4": "fa4", "tree/triton": "triton", "tree/flex": "flex"}
     orders = {"tree/fa4-headmajor": "fa4", "tree/fa4-headsfast": "heads-fast", "tree/fa4-heads4": "heads-4"}
+    blocks_q = {"tree/fa4-bwd80": 80, "tree/fa4-bwd64": 64}
     for runner in runners:
         try:
             if runner in tree:
-                block_q = int(runner[-2:]) if runner[-5:-2] == "bwd" else 128
+                block_q = blocks_q.get(runner, 128)
                 order = orders.get(runner, "auto")
 
                 def fn(q_, k_, v_, impl=tree[runner], block_q=block_q, order=order):

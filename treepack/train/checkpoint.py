@@ -64,8 +64,6 @@ def save_checkpoint(output_dir: str | Path, model: Decoder, optimizer: torch.opt
 
 def load_checkpoint(output_dir: str | Path, model: Decoder, optimizer: torch.optim.Optimizer) -> dict:
     """Restore model weights and optimizer state in place; returns the trainer state (``step``, ...)."""
-    from safetensors.torch import load_file
-
     path = checkpoint_path(output_dir)
     state = json.loads((path / "trainer.json").read_text())
     if state.get("format") == "dcp":  # written by a data-parallel run (treepack.train.dcp)
@@ -79,12 +77,8 @@ def load_checkpoint(output_dir: str | Path, model: Decoder, optimizer: torch.opt
     with torch.no_grad():
         for (name, p), (_, q) in zip(model.named_parameters(), saved.named_parameters()):
             p.copy_(q)
-    tensors = load_file(str(path / "optimizer.safetensors"))  # to the device below, by the optimizer
+    per_param = optimizer_state_by_name(path)  # on the CPU: the optimizer's loader moves each tensor below
     names = {id(p): n for n, p in model.named_parameters()}
-    per_param: dict[str, dict] = {}
-    for key, t in tensors.items():
-        name, sub = key.rsplit(".", 1)
-        per_param.setdefault(name, {})[sub] = t
     # torch's own loader puts each state tensor where this optimizer's implementation needs it (AdamW's
     # step count on the CPU, or on the parameter's device for the fused and capturable kernels)
     index, state_by_index, groups = 0, {}, []
@@ -98,6 +92,17 @@ def load_checkpoint(output_dir: str | Path, model: Decoder, optimizer: torch.opt
         groups.append({**saved, "params": ids})
     optimizer.load_state_dict({"state": state_by_index, "param_groups": groups})
     return state
+
+
+def optimizer_state_by_name(path: Path) -> dict[str, dict]:
+    """``optimizer.safetensors`` as {parameter name: {state key: tensor}}, on the CPU."""
+    from safetensors.torch import load_file
+
+    per_param: dict[str, dict] = {}
+    for key, t in load_file(str(path / "optimizer.safetensors")).items():
+        name, sub = key.rsplit(".", 1)
+        per_param.setdefault(name, {})[sub] = t
+    return per_param
 
 
 # Optimizer settings that choose an implementation for this run's devices, not hyper-parameters: a run

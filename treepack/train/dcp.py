@@ -28,6 +28,7 @@ from treepack.train.checkpoint import (
     check_architecture,
     checkpoint_path,
     load_dcp,
+    optimizer_state_by_name,
     saved_groups,
 )
 from treepack.train.model import Decoder
@@ -121,11 +122,7 @@ def _full_state_from_safetensors(path: Path, model: Decoder, optimizer: torch.op
     names = [n for n, _ in model.named_parameters()]
     if model.args.tie_embeddings:
         model_sd.pop("lm_head.weight", None)
-    tensors = load_file(str(path / "optimizer.safetensors"))
-    per_param: dict[str, dict] = {}
-    for key, t in tensors.items():
-        name, sub = key.rsplit(".", 1)
-        per_param.setdefault(name, {})[sub] = t
+    per_param = optimizer_state_by_name(path)
     groups = []
     for group, saved in zip(optimizer.param_groups, saved_groups(optimizer, state.get("param_groups", []))):
         ids = {id(p) for p in group["params"]}
