@@ -120,6 +120,31 @@ def events_ms(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def gpu_kernels(fn: Callable[[], object], repeats: int, warmup: int = 3) -> list[tuple[str, float]]:
+    """(name, ms) of every GPU kernel that ``repeats`` calls of ``fn`` ran (torch.profiler's CUDA activity), after
+    ``warmup`` calls."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    return [(e.name, (e.time_range.end - e.time_range.start) / 1e3) for e in prof.events()
+            if e.device_type == DeviceType.CUDA]
+
+
+def kernel_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """Milliseconds of GPU kernel time per call of ``fn`` (`gpu_kernels`, summed and divided): what a call costs
+    inside a step whose host runs ahead of the GPU. `events_ms` also counts the host's launch time whenever the
+    GPU waits for it, which short kernels behind Python do."""
+    return sum(ms for _, ms in gpu_kernels(fn, repeats, warmup)) / repeats
+
+
 def ratio(reference: float | None, value: float | None) -> str:
     """``reference / value`` as ``1.23x`` (a speed-up when both are times), ``-`` when either is missing."""
     return f"{reference / value:.2f}x" if reference and value else "-"

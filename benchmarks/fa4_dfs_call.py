@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, gpu_line, today, write_report
+from common import command_line, gpu_kernels, gpu_line, today, write_report
 
 H, K, E = 16, 8, 128
 
@@ -29,8 +29,6 @@ def kernel_ms(step, tokens: int, prefix: int, visible: int | None, order: int, r
     """(forward, backward) ms of FA4's main kernels per call: ``step`` padded to ``tokens`` over ``prefix`` cached
     rows of which the first ``visible`` are seen (None: all)."""
     import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
     from treepack.kernels.tree_attention import fa4
 
     from treepack.train.modes.dfs_graphs import padded_inputs
@@ -52,22 +50,14 @@ def kernel_ms(step, tokens: int, prefix: int, visible: int | None, order: int, r
         out, _ = torch.ops.treepack.tree_attention_fa4_fwd(q, k, v, pk, pv, *tables, E ** -0.5, 128, order)
         out.backward(grad)
 
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            call()
-        torch.cuda.synchronize()
     fwd = bwd = 0.0
-    for e in prof.events():
-        if e.device_type != DeviceType.CUDA or "FlashAttentionBackwardP" in e.name:  # pre/post-processing
+    for name, ms in gpu_kernels(call, reps):
+        if "FlashAttentionBackwardP" in name:  # pre/post-processing
             continue
-        ms = (e.time_range.end - e.time_range.start) / 1e3 / reps
-        if "FlashAttentionBackward" in e.name:
-            bwd += ms
-        elif "FlashAttentionForward" in e.name:
-            fwd += ms
+        if "FlashAttentionBackward" in name:
+            bwd += ms / reps
+        elif "FlashAttentionForward" in name:
+            fwd += ms / reps
     return fwd, bwd
 
 

@@ -10,15 +10,13 @@ releases, such as 3.6, cannot run loops whose bounds are kernel arguments).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from interpreter import run_interpreted
 from treepack.kernels.logprobs import (
     grad_logits_reference_,
     grad_logits_triton_,
@@ -64,14 +62,7 @@ cases = st.lists(
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases)
 def test_triton_kernels_match_the_reference_under_the_interpreter(batch):
-    pytest.importorskip("triton", reason="triton is not installed")
-    if torch.cuda.is_available():
-        pytest.skip("CUDA: the compiled kernels are tested below")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(batch)], capture_output=True, text=True,
-                         env=env, timeout=300, check=False)
-    assert res.returncode == 0, res.stderr[-4000:]
-    results = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    results = run_interpreted(SCRIPT, json.dumps(batch))
     assert [r["case"] for r in results] == batch
     for r in results:
         bf16 = r["case"][4] == "bfloat16"
