@@ -8,15 +8,17 @@ difference, its weight-gradient sum included. GB/s counts the bytes a pass must 
 gradient and x in, dx out), so 100% of the GPU's bandwidth is the floor. The largest difference from the
 float64 truth is printed beside eager's. Then the Triton kernels' block sizes.
 
-    python benchmarks/norm_rope.py [--tokens 22336] [--heads 16] [--kv-heads 8]
+    python benchmarks/norm_rope.py [--tokens 22336] [--heads 16] [--kv-heads 8] [--out norm-rope.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-from common import kernel_ms
+from common import command_line, gpu_line, kernel_ms, today, write_report
 from treepack.kernels.norm_rope import op
 from treepack.kernels.norm_rope import triton as kernels
 from treepack.kernels.norm_rope.reference import norm_rope_reference
@@ -66,12 +68,21 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--out", type=Path, help="also write the tables as a dated markdown report")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
+    lines = [f"# Qwen3's q / k norm + RoPE: Inductor vs Triton — {today()}", "",
+             f"- hardware: 1x {gpu_line()}", f"- command: `{command_line(__file__, sys.argv[1:])}`", ""]
+
+    def emit(line: str) -> None:  # a table line: to stdout and to the report
+        lines.append(line)
+        print(line)
+
+    print("\n".join(lines))
+
     variants = {"inductor": pick(norm_rope_reference, True), "eager": norm_rope_reference, "triton": op.norm_rope}
-    print("| tensor | variant | fwd ms | fwd GB/s | bwd ms | bwd GB/s | max err out / dx / dw vs float64 |")
-    print("|---|---|---|---|---|---|---|")
+    emit("| tensor | variant | fwd ms | fwd GB/s | bwd ms | bwd GB/s | max err out / dx / dw vs float64 |")
+    emit("|---|---|---|---|---|---|---|")
     total = dict.fromkeys(variants, 0.0)
     for label, N in (("q", args.heads), ("k", args.kv_heads)):
         x, w, cos, sin, g = _inputs(args.tokens, N, args.head_dim, gen)
@@ -80,15 +91,15 @@ def main() -> None:
             err = _truth_error(fn, x, w, cos, sin, g)
             f, fb = _times(fn, x, w, cos, sin, g, args.repeats)
             total[name] += fb
-            print(f"| {label} [{args.tokens}, {N}, {args.head_dim}] | {name} | {f:.3f} | {2 * size / f / 1e6:.0f} | "
+            emit(f"| {label} [{args.tokens}, {N}, {args.head_dim}] | {name} | {f:.3f} | {2 * size / f / 1e6:.0f} | "
                   f"{fb - f:.3f} | {3 * size / (fb - f) / 1e6:.0f} | {err[0]:.1e} / {err[1]:.1e} / {err[2]:.1e} |")
-    print("\nq + k, forward + backward: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in total.items()))
+    emit("\nq + k, forward + backward: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in total.items()))
 
     x, w, cos, sin, g = _inputs(args.tokens, args.heads, args.head_dim, gen)
     floor = kernel_ms(lambda: torch.add(g, x), args.repeats)  # reads two [T, N, E] tensors, writes one: the backward's bytes
-    print(f"\nq: torch.add of two such tensors (the backward's bytes) {floor:.3f} ms, {3 * x.numel() * 2 / floor / 1e6:.0f} GB/s")
-    print("\n| tensor | rows a program (FWD_BLOCK_R = BWD_BLOCK_R) | num_warps | fwd kernel ms | bwd kernels ms |")
-    print("|---|---|---|---|---|")
+    emit(f"\nq: torch.add of two such tensors (the backward's bytes) {floor:.3f} ms, {3 * x.numel() * 2 / floor / 1e6:.0f} GB/s")
+    emit("\n| tensor | rows a program (FWD_BLOCK_R = BWD_BLOCK_R) | num_warps | fwd kernel ms | bwd kernels ms |")
+    emit("|---|---|---|---|---|")
     defaults = kernels.FWD_BLOCK_R, kernels.BWD_BLOCK_R, kernels.NUM_WARPS
     for block in (16, 32, 64, 128, 256):
         for warps in (1, 2, 4, 8):
@@ -96,8 +107,9 @@ def main() -> None:
             kernels.NUM_WARPS = warps
             f = kernel_ms(lambda: kernels.norm_rope_fwd_triton(x, w, cos, sin, 1e-6), args.repeats)
             b = kernel_ms(lambda: kernels.norm_rope_bwd_triton(g, x, w, cos, sin, 1e-6), args.repeats)
-            print(f"| q | {block} | {warps} | {f:.3f} | {b:.3f} |")
+            emit(f"| q | {block} | {warps} | {f:.3f} | {b:.3f} |")
     kernels.FWD_BLOCK_R, kernels.BWD_BLOCK_R, kernels.NUM_WARPS = defaults
+    write_report(args.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
