@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from cli_helpers import run
 
-from treepack.train.config import EXAMPLE_CONFIG, RunConfig, parse_config
+from treepack.train import loop
+from treepack.train.config import EXAMPLE_CONFIG, RunConfig, load_config, parse_config
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "train_loss.json"
 LINE = re.compile(r"^step \d{5} \| loss \d+\.\d{3} \| tokens [\d.]+[kMG]? \| tok/s [\d.]+[kMG]? \| "
@@ -52,7 +54,7 @@ mode = "{mode}"
 steps = {steps}
 lr = {lr}
 dtype = "{dtype}"
-device = "cpu"
+device = "{device}"
 seed = 0
 {extra}
 [output]
@@ -62,11 +64,11 @@ dir = "{out}"
 
 
 def write_config(tmp_path: Path, *, mode="tree", steps=3, lr=3e-3, dtype="float64", out="run", extra="",
-                 output_extra="", data_extra="") -> Path:
+                 output_extra="", data_extra="", device="cpu") -> Path:
     write_rollouts(tmp_path / "rollouts.jsonl")
     path = tmp_path / "config.toml"
     path.write_text(CONFIG.format(mode=mode, steps=steps, lr=lr, dtype=dtype, out=out, extra=extra,
-                                  output_extra=output_extra, data_extra=data_extra))
+                                  output_extra=output_extra, data_extra=data_extra, device=device))
     return path
 
 
@@ -260,6 +262,41 @@ def test_resume_continues_the_same_run(tmp_path):
     assert b == pytest.approx(a, rel=1e-12)
     r = run("train", part)
     assert r.out.splitlines()[-1] == f"nothing to do: {tmp_path / 'part'} already holds step 4"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_step_read_back_during_the_next_one_logs_what_its_end_would(tmp_path, device):
+    """`train` reads a step's loss and gradient norm back once the next step's first pack is queued (on CUDA
+    through a non-blocking copy and events); a checkpoint at every step makes it read each step at its own
+    end: same steps, values and lines, in order."""
+    keys = ("step", "loss", "lr", "grad_norm", "tokens", "flat_tokens", "loss_tokens")
+    runs = {}
+    for name, output_extra in (("later", ""), ("at-end", "save_every = 1")):
+        r = run("train", write_config(tmp_path, steps=5, out=name, output_extra=output_extra, device=device))
+        assert r.code == 0, r.err
+        steps = [line[:10] for line in r.out.splitlines() if line.startswith("step ")]
+        assert steps == [f"step {i:05d}" for i in range(1, 6)]
+        runs[name] = [{k: m[k] for k in keys} for m in metrics(tmp_path / name)]
+    assert runs["later"] == runs["at-end"]
+
+
+def test_a_failing_step_still_logs_the_step_before(tmp_path, monkeypatch):
+    real = loop.step_batch
+
+    def failing(step, *args):
+        if step == 3:
+            raise RuntimeError("out of memory, say")
+        return real(step, *args)
+
+    monkeypatch.setattr(loop, "step_batch", failing)
+    cfg = load_config(write_config(tmp_path, steps=5))
+    cfg.output.dir = str(tmp_path / "run")
+    lines: list[str] = []
+    with pytest.raises(RuntimeError, match="out of memory, say"):
+        loop.train(cfg, log=lines.append)
+    assert [line[:10] for line in lines if line.startswith("step ")] == [f"step {i:05d}" for i in (1, 2, 3)]
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ Each step prints one fixed-format line, e.g.
 dense-equivalent throughput (the batch's sum of sequence lengths per second), ``mem`` the peak (CUDA:
 allocated this step; CPU: the process's peak RSS) and ``mfu`` (CUDA, 16-bit only) the useful FLOPs of
 DESIGN §9's model over the bf16 matmul ceiling measured on the device at start (`_peak_flops`). The same
-numbers go to ``metrics.jsonl``.
+numbers go to ``metrics.jsonl``. A step's line comes once the next step's first pack is queued (`QueuedStep`:
+the host never drains the GPU between steps); on CUDA its time is the device's, from the step's start to its
+end, idle included.
 """
 
 from __future__ import annotations
@@ -99,6 +101,51 @@ class TrainResult:
     last_step: int
     losses: list[float]  # loss of every step of the run so far (resumed steps included)
     stats: list[StepStats] = field(default_factory=list)  # this call's steps
+
+
+@dataclass
+class QueuedStep:
+    """A step whose work is queued on the device, read back later: `train` reads step N once step N + 1's
+    first pack is queued, so the host never waits for the GPU to drain at a step's end and the GPU never waits
+    for the host to refill its queue (a ToolBench step on an H100 spent ~5 ms idle at each boundary, then
+    ~1 ms at each of the first layers of the next forward, whose host time per layer exceeds the GPU's).
+    The loss and gradient norm come back through a pinned, non-blocking copy, the step's time from CUDA
+    events at its start and end (its GPU-timeline duration, idle included), so reading it waits for the
+    step's end only, not for what was queued after it."""
+
+    step: int  # 1-based
+    lr: float
+    tokens: int
+    flat_tokens: int
+    loss_tokens: int
+    flops: float
+    mem_gb: float
+    extra: dict
+    seconds: float  # without a device: the host's time from the step's start to its end
+    values: torch.Tensor  # (loss, grad norm), float64; on the host once `done` is reached
+    begin: torch.cuda.Event | None  # CUDA: the step's start and end on the device's timeline
+    done: torch.cuda.Event | None
+
+    @classmethod
+    def queue(cls, *, loss: torch.Tensor, norm: torch.Tensor, started: float, begin: torch.cuda.Event | None,
+              **fields) -> QueuedStep:
+        # scalars without a graph (the loss was detached, the norm taken without grad)
+        values = torch.stack([t.double() if t.dim() == 0 else t.double().reshape(()) for t in (loss, norm)])
+        seconds, done = max(time.perf_counter() - started, 1e-9), None
+        if begin is not None:
+            values = values.to("cpu", non_blocking=True)  # into pinned memory, ordered before `done`
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        return cls(values=values, seconds=seconds, begin=begin, done=done, **fields)
+
+    def read(self) -> tuple[float, float, float]:
+        """(loss, grad norm, seconds)."""
+        if self.done is None:
+            loss, norm = self.values.tolist()
+            return loss, norm, self.seconds
+        self.done.synchronize()
+        loss, norm = self.values.tolist()
+        return loss, norm, max(self.begin.elapsed_time(self.done) / 1e3, 1e-9)
 
 
 def human(x: float) -> str:
@@ -334,26 +381,58 @@ def train(
     # pause of ~0.5 s in a step on an H100 host): frozen after it, and every step's collections timed.
     pauses = Pauses() if _manages_gc(model, device) else None
     frozen = False
+    queued: QueuedStep | None = None
+
+    def finish(q: QueuedStep) -> None:
+        """Read a queued step back (waiting for its end on the device only), then log, record and save it."""
+        nonlocal frozen
+        loss, grad_norm, seconds = q.read()
+        losses.append(loss)
+        stats = StepStats(step=q.step, loss=loss, lr=q.lr, grad_norm=grad_norm, tokens=q.tokens,
+                          flat_tokens=q.flat_tokens, loss_tokens=q.loss_tokens, seconds=seconds, mem_gb=q.mem_gb,
+                          mfu=q.flops / seconds / peak if peak else None, extra=q.extra)
+        stats_run.append(stats)
+        if q.step % cfg.output.log_every == 0 or q.step == cfg.train.steps:
+            log(stats.line())
+        eta = eta_line([x.seconds for x in stats_run], q.step, cfg.train.steps)
+        if eta:
+            log(eta)
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(stats.to_json()) + "\n")
+            metrics_file.flush()
+        if cfg.output.save_every and q.step % cfg.output.save_every == 0 and q.step < cfg.train.steps:
+            save(q.step)
+        if pauses is not None and not frozen:
+            freeze_warmup()
+            frozen = True
+            pauses.take()  # that collection is not the next step's
+
     if pauses is not None:
         pauses.start()  # stopped in the finally below
     try:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
+            begin = None
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+                begin = torch.cuda.Event(enable_timing=True)
+                begin.record()
             batch = step_batch(step, packs, cfg, objective)
             rows = [LossRows.from_pack(p) for p in batch]
             totals = BatchTotals.of(rows)
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # No host sync until the step's end (the loss is summed on the device, the norm read after the
-            # optimizer step): the host queues the next pack while the GPU still runs the one before.
+            # No host sync inside a step (the loss is summed on the device, the norm read back later): the host
+            # queues the next pack while the GPU still runs the one before.
             loss_sum, tokens, flops, extra, work = None, 0, 0.0, {}, {}
             for pack, row in zip(batch, rows):
                 with autocast:
                     out = mode(model, pack, row, objective, totals)
                 out.backward()
+                if queued is not None:  # the step before, read back once this step's first pack is queued
+                    finish(queued)
+                    queued = None
                 pack_loss = out.loss.detach().double()  # float64, as the float sum it replaces
                 loss_sum = pack_loss if loss_sum is None else loss_sum + pack_loss
                 tokens += out.forward_tokens
@@ -377,36 +456,28 @@ def train(
                 norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params if p.grad is not None]))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            grad_norm, loss = float(norm), float(loss_sum) if loss_sum is not None else 0.0
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = max(time.perf_counter() - t0, 1e-9)
-            losses.append(loss)
-            stats = StepStats(
-                step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens,
-                flat_tokens=sum(int(np.asarray(p.seq_offsets)[-1]) for p in batch),
-                loss_tokens=totals.loss_tokens, seconds=seconds,
+            queued = QueuedStep.queue(
+                step=step + 1, lr=lr, tokens=tokens, flops=flops, extra=extra, started=t0, begin=begin,
+                flat_tokens=sum(int(np.asarray(p.seq_offsets)[-1]) for p in batch), loss_tokens=totals.loss_tokens,
                 # dfs's CUDA graphs keep their memory in a pool that max_memory_allocated stops seeing
                 mem_gb=_mem_gb(device) + extra.get("graph_pool_bytes", 0) / 1e9,
-                mfu=flops / seconds / peak if peak else None, extra=extra,
-            )
-            stats_run.append(stats)
-            if (step + 1) % cfg.output.log_every == 0 or step + 1 == cfg.train.steps:
-                log(stats.line())
-            eta = eta_line([x.seconds for x in stats_run], step + 1, cfg.train.steps)
-            if eta:
-                log(eta)
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(stats.to_json()) + "\n")
-                metrics_file.flush()
-            if cfg.output.save_every and (step + 1) % cfg.output.save_every == 0 and step + 1 < cfg.train.steps:
-                save(step + 1)
-            if pauses is not None and not frozen:
-                freeze_warmup()
-                frozen = True
-                pauses.take()  # that collection is not the next step's
+                loss=loss_sum if loss_sum is not None else torch.zeros((), dtype=torch.float64), norm=norm)
+            # Read back now, not during the next step: at the first step (the warm-up's objects are frozen
+            # after it), before a checkpoint, and at the last step.
+            saves = cfg.output.save_every and (step + 1) % cfg.output.save_every == 0
+            if step == start or saves or step + 1 == cfg.train.steps:
+                finish(queued)
+                queued = None
+        if queued is not None:
+            finish(queued)
+            queued = None
         if start < cfg.train.steps:
             save(cfg.train.steps)
+    except BaseException:
+        if queued is not None:  # the step before the failure did run: its line is not lost
+            with contextlib.suppress(Exception):
+                finish(queued)
+        raise
     finally:
         if pauses is not None:
             pauses.stop()
