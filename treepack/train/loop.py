@@ -461,7 +461,7 @@ def train(
                 flat_tokens=sum(int(np.asarray(p.seq_offsets)[-1]) for p in batch), loss_tokens=totals.loss_tokens,
                 # dfs's CUDA graphs keep their memory in a pool that max_memory_allocated stops seeing
                 mem_gb=_mem_gb(device) + extra.get("graph_pool_bytes", 0) / 1e9,
-                loss=loss_sum if loss_sum is not None else torch.zeros((), dtype=torch.float64), norm=norm)
+                loss=loss_sum if loss_sum is not None else torch.zeros((), dtype=torch.float64, device=device), norm=norm)
             # Read back now, not during the next step: at the first step (the warm-up's objects are frozen
             # after it), before a checkpoint, and at the last step.
             saves = cfg.output.save_every and (step + 1) % cfg.output.save_every == 0
