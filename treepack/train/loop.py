@@ -463,14 +463,11 @@ def train(
                 mem_gb=_mem_gb(device) + extra.get("graph_pool_bytes", 0) / 1e9,
                 loss=loss_sum if loss_sum is not None else torch.zeros((), dtype=torch.float64, device=device), norm=norm)
             # Read back now, not during the next step: at the first step (the warm-up's objects are frozen
-            # after it), before a checkpoint, and at the last step.
+            # after it), before a checkpoint, and at the last step (so none is left queued after the loop).
             saves = cfg.output.save_every and (step + 1) % cfg.output.save_every == 0
             if step == start or saves or step + 1 == cfg.train.steps:
                 finish(queued)
                 queued = None
-        if queued is not None:
-            finish(queued)
-            queued = None
         if start < cfg.train.steps:
             save(cfg.train.steps)
     except BaseException:
