@@ -24,13 +24,16 @@ def _deep_branches(rng: np.random.Generator) -> list[list[int]]:
     return seqs
 
 
-@pytest.mark.parametrize(("objective_kind", "exact"), [("grpo", True), ("sft", True), ("grpo", False)])
-def test_graphed_dfs_steps_are_as_close_as_eager(objective_kind, exact, monkeypatch):
+@pytest.mark.parametrize(("objective_kind", "exact", "working"),
+                         [("grpo", True, False), ("sft", True, False), ("grpo", False, False), ("grpo", True, True)])
+def test_graphed_dfs_steps_are_as_close_as_eager(objective_kind, exact, working, monkeypatch):
     """Shapes are captured the second time they are met: with ``exact`` (the default) at their exact sizes (steps
-    1-2 capture, step 3 replays), without at their buckets."""
+    1-2 capture, step 3 replays), without at their buckets. With ``working``, the 16-bit models read working
+    weights, whose gradient hooks run inside the captured backwards."""
     from treepack.train.losses import Objective
     from treepack.train.model import Decoder, ModelArgs
     from treepack.train.modes import dfs_graphs, make_mode
+    from treepack.train.working_weights import WorkingWeights
 
     args = ModelArgs.for_family("qwen3", vocab_size=13, hidden_size=256, intermediate_size=512, num_layers=2,
                                 num_heads=4, num_kv_heads=2, head_dim=64)
@@ -41,6 +44,8 @@ def test_graphed_dfs_steps_are_as_close_as_eager(objective_kind, exact, monkeypa
     def steps(dtype, attention, compile_mode, graphs, n_steps):
         model = Decoder.random_init(args, seed=0, dtype=dtype, device="cuda")
         model.compile = compile_mode
+        if working and dtype == torch.float32:
+            WorkingWeights(model, torch.bfloat16)
         mode = make_mode("dfs", attention=attention, dfs_block_size=256, dfs_cuda_graphs=graphs)
         out_steps, counts = [], []
         for _ in range(n_steps):

@@ -56,18 +56,28 @@ def test_tree_attention_call_does_not_sync():
 
 
 def test_dfs_steps_do_not_sync():
-    """Everything after a pack's one-time uploads: every model call, loss chunk and backward of the walk."""
+    """A pack's whole walk: its uploads (through pinned memory), every model call, loss chunk and backward."""
     args = ModelArgs.for_family("qwen3", vocab_size=13, hidden_size=128, intermediate_size=256, num_layers=2,
                                 num_heads=4, num_kv_heads=2, head_dim=64)
     model = Decoder.random_init(args, seed=0, dtype=torch.bfloat16, device="cuda")
     model.compile = "off"
     pack = make_pack(random_sequences(np.random.default_rng(5), 16), 0)
     rows = LossRows.from_pack(pack)
-    objective = Objective("sft", "token")  # grpo's clip fraction is a deliberate sync at the end of a pack
+    objective = Objective("sft", "token")
     for subtree_calls in (True, False):
         mode = DfsMode("triton", block_size=7, subtree_calls=subtree_calls)
         _Traversal(mode, model, pack, rows, objective, BatchTotals.of([rows])).run()  # compile first
-        walk = _Traversal(mode, model, pack, rows, objective, BatchTotals.of([rows]))
-        assert walk.schedule.steps and sum(s.kind == "anchor" for s in walk.schedule.steps) > 0
         with no_sync():
+            walk = _Traversal(mode, model, pack, rows, objective, BatchTotals.of([rows]))
             walk.run()
+        assert walk.schedule.steps and sum(s.kind == "anchor" for s in walk.schedule.steps) > 0
+
+
+def test_clip_fraction_stays_on_the_device():
+    """GRPO's clip fraction is read back with the step's loss, not per pack."""
+    logp_R = torch.randn(1000, device="cuda", dtype=torch.float64)
+    behaviour_R = logp_R + 0.3 * torch.randn(1000, device="cuda", dtype=torch.float64)
+    with no_sync():
+        frac = Objective("grpo", "token").clip_fraction(logp_R, behaviour_R)
+    ratio = (logp_R - behaviour_R).exp().cpu()
+    assert float(frac) == pytest.approx(float(((ratio < 0.8) | (ratio > 1.2)).double().mean()))

@@ -174,7 +174,7 @@ def test_grpo_clip_semantics():
     (grad,) = torch.autograd.grad(loss_R.sum(), logp)
     # clipped rows carry no gradient; unclipped rows d(-rA)/dlogp = -rA
     assert torch.allclose(grad, torch.tensor([0.0, 1.5, -0.5, 0.0, -2.0], dtype=torch.float64))
-    assert obj.clip_fraction(logp, behaviour) == pytest.approx(4 / 5)
+    assert float(obj.clip_fraction(logp, behaviour)) == pytest.approx(4 / 5)
 
 
 def test_grpo_on_policy_without_behaviour_logprobs():

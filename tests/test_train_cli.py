@@ -281,6 +281,26 @@ def test_a_step_read_back_during_the_next_one_logs_what_its_end_would(tmp_path, 
     assert runs["later"] == runs["at-end"]
 
 
+@pytest.mark.parametrize("mode", ["tree", "dfs"])
+def test_grpo_clip_fraction_is_read_back_with_its_step(tmp_path, mode):
+    """The clip fraction stays a device tensor until its step is read back: the same value whether that is
+    during the next step or at the step's own end (a checkpoint every step), and not always zero."""
+    extra = ("dfs_block_size = 4\n" if mode == "dfs" else "") + "[train.loss]\nkind = 'grpo'\n"
+    fractions = {}
+    for name, output_extra in (("later", ""), ("at-end", "save_every = 1")):
+        cfg = write_config(tmp_path, mode=mode, steps=4, out=name, extra=extra, output_extra=output_extra)
+        records = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+        for i, rec in enumerate(records):  # behaviour log-probs far enough from the policy's to clip some rows
+            rec["logprobs"] = [-0.5 * ((i + j) % 7) for j in range(len(rec["input_ids"]))]
+        (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in records))
+        r = run("train", cfg)
+        assert r.code == 0, r.err
+        fractions[name] = [m["clip_fraction"] for m in metrics(tmp_path / name)]
+    assert fractions["later"] == fractions["at-end"]
+    assert all(isinstance(f, float) and 0 <= f <= 1 for f in fractions["later"])
+    assert any(f > 0 for f in fractions["later"])
+
+
 def test_a_failing_step_still_logs_the_step_before(tmp_path, monkeypatch):
     real = loop.step_batch
 

@@ -48,6 +48,7 @@ from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import Mode, make_mode
 from treepack.train.modes.auto import AutoMode, SpeedTable
 from treepack.train.modes.dfs import merge_work
+from treepack.train.working_weights import WorkingWeights, applies
 
 # Dense bf16 tensor-core datasheet peaks (FLOP/s) by device-name substring: MFU's fallback where measuring fails.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -122,30 +123,36 @@ class QueuedStep:
     mem_gb: float
     extra: dict
     seconds: float  # without a device: the host's time from the step's start to its end
-    values: torch.Tensor  # (loss, grad norm), float64; on the host once `done` is reached
+    values: torch.Tensor  # (loss, grad norm, *device metrics), float64; on the host once `done` is reached
     begin: torch.cuda.Event | None  # CUDA: the step's start and end on the device's timeline
     done: torch.cuda.Event | None
+    device_metrics: tuple[str, ...] = ()  # keys of ``extra`` that were tensors, read back in ``values``
 
     @classmethod
     def queue(cls, *, loss: torch.Tensor, norm: torch.Tensor, started: float, begin: torch.cuda.Event | None,
-              **fields) -> QueuedStep:
-        # scalars without a graph (the loss was detached, the norm taken without grad)
-        values = torch.stack([t.double() if t.dim() == 0 else t.double().reshape(()) for t in (loss, norm)])
+              extra: dict, **fields) -> QueuedStep:
+        # scalars without a graph (the loss was detached, the norm taken without grad); metrics the modes
+        # left on the device (GRPO's clip fraction) come back in the same copy
+        names = tuple(sorted(k for k, v in extra.items() if isinstance(v, torch.Tensor)))
+        values = torch.stack([t.double() if t.dim() == 0 else t.double().reshape(())
+                              for t in (loss, norm, *(extra[k] for k in names))])
         seconds, done = max(time.perf_counter() - started, 1e-9), None
         if begin is not None:
             values = values.to("cpu", non_blocking=True)  # into pinned memory, ordered before `done`
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-        return cls(values=values, seconds=seconds, begin=begin, done=done, **fields)
+        return cls(values=values, seconds=seconds, begin=begin, done=done, extra=extra, device_metrics=names,
+                   **fields)
 
     def read(self) -> tuple[float, float, float]:
-        """(loss, grad norm, seconds)."""
-        if self.done is None:
-            loss, norm = self.values.tolist()
-            return loss, norm, self.seconds
-        self.done.synchronize()
-        loss, norm = self.values.tolist()
-        return loss, norm, max(self.begin.elapsed_time(self.done) / 1e3, 1e-9)
+        """(loss, grad norm, seconds); the device metrics into ``extra`` as floats."""
+        seconds = self.seconds
+        if self.done is not None:
+            self.done.synchronize()
+            seconds = max(self.begin.elapsed_time(self.done) / 1e3, 1e-9)
+        loss, norm, *metrics = self.values.tolist()
+        self.extra.update(zip(self.device_metrics, metrics))
+        return loss, norm, seconds
 
 
 def human(x: float) -> str:
@@ -360,6 +367,8 @@ def train(
     metrics_file = None
     if cfg.output.metrics:  # closed in the finally below (the loop body is too long for a with-block)
         metrics_file = open(out_dir / cfg.output.metrics, "a" if start else "w")  # noqa: SIM115
+    # 16-bit copies of the matrix weights, cast once a step instead of once a model call
+    working = WorkingWeights(model, autocast_dtype) if applies(model, autocast_dtype) else None
     peak = _peak_flops(device) if autocast_dtype is not None else None
     if peak:
         log(f"mfu: model FLOPs over this GPU's bf16 matmul ceiling, measured now: {peak / 1e12:.0f} TFLOP/s")
@@ -444,8 +453,8 @@ def train(
                 useful = out.metrics.get("grad_tokens", out.forward_tokens)
                 flops += _step_flops(model.args, useful, predicted, pairs)
                 work = merge_work(work, out.metrics)  # dfs accounting: counts add up, peaks take the maximum
-                for k, v in out.metrics.items():
-                    if isinstance(v, (int, float)) and k not in work:
+                for k, v in out.metrics.items():  # a tensor stays on the device until the step is read back
+                    if isinstance(v, (int, float, torch.Tensor)) and k not in work:
                         extra[k] = extra.get(k, 0.0) + v / len(batch)
             extra.update(work)
             if pauses is not None:
@@ -456,6 +465,8 @@ def train(
                 norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params if p.grad is not None]))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if working is not None:
+                working.refresh()
             queued = QueuedStep.queue(
                 step=step + 1, lr=lr, tokens=tokens, flops=flops, extra=extra, started=t0, begin=begin,
                 flat_tokens=sum(int(np.asarray(p.seq_offsets)[-1]) for p in batch), loss_tokens=totals.loss_tokens,

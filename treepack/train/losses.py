@@ -365,12 +365,13 @@ class Objective:
             loss_R = loss_R + self.kl_coef * kl_estimate(logp_R, ref, "k3")
         return loss_R
 
-    def clip_fraction(self, logp_R: Tensor, behaviour_logp_R: Tensor | None) -> float:
-        """Share of rows whose ratio lies outside the clip range (a PPO health metric)."""
+    def clip_fraction(self, logp_R: Tensor, behaviour_logp_R: Tensor | None) -> Tensor | float:
+        """Share of rows whose ratio lies outside the clip range (a PPO health metric). A tensor on the rows'
+        device, read back with the step's loss: reading it per pack would make the host wait for the pack."""
         if behaviour_logp_R is None or logp_R.numel() == 0:
             return 0.0
         ratio = torch.exp(logp_R.detach() - behaviour_logp_R)  # NaN rows (on-policy) count as unclipped
-        return float(((ratio < 1 - self.clip_low) | (ratio > 1 + self.clip_high)).float().mean())
+        return ((ratio < 1 - self.clip_low) | (ratio > 1 + self.clip_high)).float().mean()
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")

@@ -130,6 +130,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
+        # projection name -> its 16-bit working copy, used instead of the weight (`working_weights`)
+        self.working: dict[str, Tensor] | None = None
 
     def forward(self, x_TD: Tensor, cos_TE: Tensor, sin_TE: Tensor, attn: AttentionContext,
                 past: KV | None, compiled: bool = False, schedule: KernelSchedule | None = None,
@@ -139,6 +141,9 @@ class DecoderLayer(nn.Module):
         graph (and the layer returns no keys and values). Otherwise two elementwise-heavy regions (compiled on
         CUDA) around the attention call, which stays eager."""
         a, m = self.self_attn, self.mlp
+        w = self.working or {}
+        q_w, k_w, v_w, o_w = (w[n] if n in w else getattr(a, n).weight for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        gate_w, up_w, down_w = (w[n] if n in w else getattr(m, n).weight for n in ("gate_proj", "up_proj", "down_proj"))
         q_norm_w = a.q_norm.weight if a.q_norm is not None else None
         k_norm_w = a.k_norm.weight if a.k_norm is not None else None
         if past is not None and past[0].shape[0] == 0:
@@ -146,26 +151,26 @@ class DecoderLayer(nn.Module):
         if compiled and schedule is not None and (past is None or past[0].shape[0] > 1):  # P = 1: a recompile
             out = compiled_fn(layer_with_tree_kernel if return_kv else layer_with_tree_kernel_hidden)(
                 x_TD, self.input_layernorm.weight, self.input_layernorm.eps,
-                a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+                q_w, a.q_proj.bias, k_w, a.k_proj.bias, v_w, a.v_proj.bias,
                 q_norm_w, k_norm_w, cos_TE, sin_TE, a.num_heads, a.num_kv_heads, a.head_dim,
                 None if past is None else past[0], None if past is None else past[1], schedule.op, schedule.tensors,
-                schedule.config, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
-                self.post_attention_layernorm.eps, m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight,
-                m.up_proj.bias, m.down_proj.weight, m.down_proj.bias,
+                schedule.config, o_w, a.o_proj.bias, self.post_attention_layernorm.weight,
+                self.post_attention_layernorm.eps, gate_w, m.gate_proj.bias, up_w,
+                m.up_proj.bias, down_w, m.down_proj.bias,
             )
             return (out[0], (out[1], out[2])) if return_kv else (out, None)
         q_THE, k_TKE, v_TKE = pick(attention_inputs, compiled)(
             x_TD, self.input_layernorm.weight, self.input_layernorm.eps,
-            a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+            q_w, a.q_proj.bias, k_w, a.k_proj.bias, v_w, a.v_proj.bias,
             q_norm_w, k_norm_w, cos_TE, sin_TE, a.num_heads, a.num_kv_heads, a.head_dim,
         )
         if past is not None:
             past = (past[0].to(v_TKE.dtype), past[1].to(v_TKE.dtype))
         o_THE = attn.attend(q_THE, k_TKE, v_TKE, past)
         x_TD = pick(attention_output_and_mlp, compiled)(
-            x_TD, o_THE, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
-            self.post_attention_layernorm.eps, m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight,
-            m.up_proj.bias, m.down_proj.weight, m.down_proj.bias,
+            x_TD, o_THE, o_w, a.o_proj.bias, self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.eps, gate_w, m.gate_proj.bias, up_w,
+            m.up_proj.bias, down_w, m.down_proj.bias,
         )
         return x_TD, (k_TKE, v_TKE)
 
@@ -260,6 +265,7 @@ class Decoder(nn.Module):
         self.compile = "auto"  # auto | on | off: torch.compile the elementwise regions (auto = on CUDA)
         # share of a compiled layer's saved activations kept for backward (`activation_memory_budget`)
         self.activation_memory_budget = 1.0
+        self.working_weights = None  # `working_weights.WorkingWeights`: 16-bit copies of the matrix weights
 
     @property
     def head_weight(self) -> Tensor:

@@ -201,10 +201,11 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
                 tokens += out.forward_tokens
                 work = merge_work(work, out.metrics)
                 for k, v in out.metrics.items():
-                    if isinstance(v, (int, float)) and k not in work:
+                    if isinstance(v, (int, float, torch.Tensor)) and k not in work:
                         extra[k] = extra.get(k, 0.0) + v / max(len(share.packs), 1)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            extra = {k: float(v) for k, v in extra.items()}  # device metrics (clip fraction), after the sync
             t_compute = time.perf_counter() - t_begin
             loss = float(loss_sum) if loss_sum is not None else 0.0
             accumulation.finish()

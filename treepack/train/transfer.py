@@ -17,7 +17,10 @@ from torch import Tensor
 def to_device(array: np.ndarray, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
     """A copy of ``array`` on ``device`` (as ``dtype``), queued without a host sync on CUDA."""
     device = torch.device(device)
-    host = torch.from_numpy(np.ascontiguousarray(array))
+    array = np.ascontiguousarray(array)
+    if not array.flags.writeable:  # shard readers hand out read-only Arrow-backed arrays: torch must not alias them
+        array = array.copy()
+    host = torch.from_numpy(array)
     if dtype is not None and host.dtype != dtype:
         host = host.to(dtype)
     if device.type != "cuda":

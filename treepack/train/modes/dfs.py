@@ -25,10 +25,11 @@ log-prob backward works in vocabulary blocks, in place, so it adds ~0.6 GiB ther
 
 Time. Each step is a full model call, so its host-side cost matters: ~2,100 kernel launches per call for
 Qwen3-0.6B (28 layers, one compiled graph per layer, FA4's launches replayed per call shape); the
-per-call path has no host sync (tests/test_host_sync_gpu.py), yet a call of a few thousand tokens does not
-hide it. So the schedule makes few calls (anchors merged into grad calls, pops of one path merged), the
-attention forward is not recomputed under a memory budget, and each call's parameter gradients are summed
-with one multi-tensor add (`_GradSum`). On an H100 a tau-bench step (144 records, B=8192, budget 0.7, 10
+per-call path has no host sync, nor has a pack's start, whose uploads go through pinned memory
+(tests/test_host_sync_gpu.py), yet a call of a few thousand tokens does not hide it. So the schedule makes
+few calls (anchors merged into grad calls, pops of one path merged), the attention forward is not
+recomputed under a memory budget, and each call's parameter gradients are summed with one multi-tensor add
+(`_GradSum`; the matrix weights' by the working weights' hooks, `treepack.train.working_weights`). On an H100 a tau-bench step (144 records, B=8192, budget 0.7, 10
 calls, attention auto) took 0.995-1.007 s at 12.66 GiB, the GPU busy ~0.85-0.94 s of it
 (benchmarks/results/2026-11-26-dfs-host-h100.md).
 With ``cuda_graphs`` (`train.dfs_cuda_graphs`, `dfs_graphs`) a call shape met again is replayed from a CUDA
@@ -67,6 +68,7 @@ from treepack.train.modes.dfs_schedule import (
     Step,
     plan,
 )
+from treepack.train.transfer import to_device
 
 # --------------------------------------------------------------------------------------------------
 # Execution
@@ -159,7 +161,9 @@ class _GradSum:
         params = [p for p in model.parameters() if p.requires_grad]
         # FSDP2's parameters are DTensors (type DTensor, not Parameter): their gradients are left alone
         plain = SUM_GRADS_AT_ONCE and all(type(p) is torch.nn.Parameter for p in params)
-        self.params = params if plain else []
+        # and so are those the working weights' hooks add into in place (`treepack.train.working_weights`)
+        working = model.working_weights.params if getattr(model, "working_weights", None) is not None else set()
+        self.params = [p for p in params if id(p) not in working] if plain else []
         self.held: list[Tensor | None] = []
 
     def __enter__(self) -> None:
@@ -332,11 +336,13 @@ class _Traversal:
         self.targets.assign(self.schedule, int(pack.n_real))
         self.graphs = mode.graphs_for(model, self.schedule)
         rows_dtype = row_dtype(model)
-        self.weight_U = None if not fast else torch.as_tensor(self.targets.weight_U, dtype=rows_dtype, device=dev)
+        # every upload through pinned memory (`to_device`): a copy from pageable memory waits for the GPU to
+        # drain, so the host could not plan this pack while the previous pack or step still runs
+        self.weight_U = None if not fast else to_device(self.targets.weight_U, dev, rows_dtype)
         self.tensors = {} if fast else objective.row_tensors(rows, totals, device=dev, dtype=rows_dtype)
         # int64 copies: shard readers hand out read-only Arrow-backed arrays, which torch must not alias
-        self.ids_T = torch.as_tensor(np.array(pack.input_ids, dtype=np.int64), device=dev)
-        self.pos_T = torch.as_tensor(np.array(pack.position_ids, dtype=np.int64), device=dev)
+        self.ids_T = to_device(np.array(pack.input_ids, dtype=np.int64), dev)
+        self.pos_T = to_device(np.array(pack.position_ids, dtype=np.int64), dev)
         self.logp_U = torch.zeros(self.targets.token_U.shape[0], dtype=rows_dtype, device=dev)
         self.loss = torch.zeros((), dtype=torch.float64, device=dev)
         # each graphed call's (padded length, prefix rows read): exact for shapes met before (`CallGraphs.shapes`)
@@ -350,8 +356,8 @@ class _Traversal:
         self.live = self.peak_live = 0  # tokens whose graph is alive (kept segments + the current call)
 
     def _upload_indices(self) -> dict[tuple[str, int], Tensor]:
-        """Every step's index arrays, copied to the device in one transfer: a host-to-device copy from
-        pageable memory waits for the GPU's queue to drain, so one per step would serialise host and GPU."""
+        """Every step's index arrays, copied to the device in one transfer (through pinned memory, queued
+        without a host sync)."""
         targets = self.targets
         arrays: dict[tuple[str, int], np.ndarray] = {}
         for k, step in enumerate(self.schedule.steps):
@@ -373,7 +379,7 @@ class _Traversal:
                 arrays["at", k] = np.searchsorted(u_idx, targets.row_u_R[r_idx])
         arrays["row_u", -1] = targets.row_u_R
         flat = np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays.values()]) if arrays else np.zeros(0, np.int64)
-        flat_t = torch.as_tensor(flat, device=self.dev)
+        flat_t = to_device(flat, self.dev)
         out, offset = {}, 0
         for key, a in arrays.items():
             out[key] = flat_t[offset : offset + a.shape[0]]

@@ -172,7 +172,8 @@ class CallGraphs:
         self.captures, self.replays, self.eager = counts
 
     def _ptrs(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self.params)
+        working = getattr(self.model, "working_weights", None)  # the graphs read its copies, not those weights
+        return tuple(p.data_ptr() for p in [*self.params, *(working.copies if working is not None else [])])
 
     def fits(self, model, rows: int, tokens: int, k_dtype: torch.dtype) -> bool:
         """Whether these graphs serve a pack of this model with paths of ``rows`` and calls of ``tokens``."""
