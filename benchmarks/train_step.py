@@ -124,7 +124,7 @@ from treepack.io.rollouts import Rollouts
 from treepack.pack.layout import CHILD_ORDERS, Pack, relayout
 from treepack.sizes import parse_size
 from treepack.stats import MODEL_SHAPES, ModelShape
-from treepack.train import losses
+from treepack.train import losses, working_weights
 from treepack.train.config import RunConfig
 from treepack.train.data import dense_batches, leaf_sequences, pack_rollouts
 from treepack.train.loop import make_optimizer, resolve_precision
@@ -260,6 +260,10 @@ class Trainer:
         self.params = list(model.parameters())
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=autocast_dtype)) if autocast_dtype
                          else contextlib.nullcontext)
+        # bf16 copies of the matrix weights, cast once a step, as `train` keeps them (`--working-weights`)
+        self.working = model.working_weights
+        if self.working is None and working_weights.applies(model, autocast_dtype):
+            self.working = working_weights.WorkingWeights(model, autocast_dtype)
 
     def step(self, packs: list[Pack], mode) -> float:
         rows = [LossRows.from_pack(p) for p in packs]
@@ -274,6 +278,8 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.working is not None:
+            self.working.refresh()
         _sync(self.device)
         return loss
 
@@ -708,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logprob-kernels", default="auto", choices=("auto", "inductor"),
                     help="the language-model head's log-prob passes: auto (Triton kernels on CUDA) or inductor "
                          "(the reference, compiled where the step compiles; A/B)")
+    ap.add_argument("--working-weights", default="on", choices=("on", "off"),
+                    help="bf16 copies of the matrix weights cast once a step, as treepack train keeps them (on), "
+                         "or autocast's cast in every model call (off; A/B)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="markdown report (rewritten after each job)")
     ap.add_argument("--json-out", type=Path, default=None, help="raw results (JSON), rewritten per job")
@@ -725,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     from treepack.train import losses
 
     losses.LOGPROB_KERNELS = args.logprob_kernels
+    working_weights.ENABLED = args.working_weights == "on"
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -748,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
                f"tokens; {args.repeats} timed steps after one warm-up (fewer when a step takes over "
                f"{args.max_step_seconds:g} s), median"),
               (f"- tree packs: tokens in `{args.child_order}` DFS order (`--child-order`, `data.child_order`); "
-               f"FA4 backward grid order {args.fa4_bwd_order}; log-prob kernels {args.logprob_kernels}")]
+               f"FA4 backward grid order {args.fa4_bwd_order}; log-prob kernels {args.logprob_kernels}; "
+               f"working weights {args.working_weights}")]
     bench = Bench(args, device, autocast_dtype, log)
 
     def flush() -> None:
