@@ -340,9 +340,8 @@ class _Traversal:
         # drain, so the host could not plan this pack while the previous pack or step still runs
         self.weight_U = None if not fast else to_device(self.targets.weight_U, dev, rows_dtype)
         self.tensors = {} if fast else objective.row_tensors(rows, totals, device=dev, dtype=rows_dtype)
-        # int64 copies: shard readers hand out read-only Arrow-backed arrays, which torch must not alias
-        self.ids_T = to_device(np.array(pack.input_ids, dtype=np.int64), dev)
-        self.pos_T = to_device(np.array(pack.position_ids, dtype=np.int64), dev)
+        self.ids_T = to_device(np.asarray(pack.input_ids), dev, torch.long)
+        self.pos_T = to_device(np.asarray(pack.position_ids), dev, torch.long)
         self.logp_U = torch.zeros(self.targets.token_U.shape[0], dtype=rows_dtype, device=dev)
         self.loss = torch.zeros((), dtype=torch.float64, device=dev)
         # each graphed call's (padded length, prefix rows read): exact for shapes met before (`CallGraphs.shapes`)
