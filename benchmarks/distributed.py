@@ -156,7 +156,8 @@ def summarise(steps: list[dict], warmup: int) -> dict:
     return {"steps": len(timed), "seconds": pick("seconds"), "tok_per_s": pick("tok_per_s"),
             "flat_tok_per_s": pick("flat_tok_per_s"), "mfu": pick("mfu"), "mem_gb": max(s["mem_gb"] for s in timed),
             "imbalance_predicted": pick("imbalance_predicted"), "imbalance_measured": pick("imbalance_measured"),
-            "idle_fraction": pick("idle_fraction"), "step_seconds": [s["seconds"] for s in timed]}
+            "idle_fraction": pick("idle_fraction"), "step_seconds": [s["seconds"] for s in timed],
+            "rank_seconds": [s.get("rank_seconds") for s in timed]}  # per step: each rank's compute seconds
 
 
 def pct(x: float | None) -> str:

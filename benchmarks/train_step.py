@@ -407,9 +407,9 @@ def path_check(trainer: Trainer, pack: Pack) -> dict:
 
     apply = losses._TargetLogProb.apply
 
-    def logprob_apply(hidden, weight, target, chunk, compiled):
+    def logprob_apply(hidden, weight, target, chunk, *rest):
         chunks.append((int(hidden.shape[0]), int(chunk)))
-        return apply(hidden, weight, target, chunk, compiled)
+        return apply(hidden, weight, target, chunk, *rest)
 
     patches = [mock.patch.object(treepack.kernels, "prepare", counted("prepare", treepack.kernels.prepare)),
                mock.patch.object(api, "tree_attention_reference",

@@ -73,6 +73,29 @@ def test_dfs_steps_do_not_sync():
         assert walk.schedule.steps and sum(s.kind == "anchor" for s in walk.schedule.steps) > 0
 
 
+def test_dfs_steps_with_working_weights_do_not_sync():
+    """Under bf16 autocast with working weights: the head's GEMMs accumulating into .grad and the embedding's rows
+    added into it (`index_put_` with accumulate, sorted on the device) queue without a sync too."""
+    from treepack.train.working_weights import WorkingWeights
+
+    args = ModelArgs.for_family("qwen3", vocab_size=13, hidden_size=128, intermediate_size=256, num_layers=2,
+                                num_heads=4, num_kv_heads=2, head_dim=64)
+    model = Decoder.random_init(args, seed=0, dtype=torch.float32, device="cuda")
+    model.compile = "off"
+    WorkingWeights(model, torch.bfloat16)
+    pack = make_pack(random_sequences(np.random.default_rng(5), 16), 0)
+    rows = LossRows.from_pack(pack)
+    mode = DfsMode("triton", block_size=7)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _Traversal(mode, model, pack, rows, Objective("sft", "token"), BatchTotals.of([rows])).run()  # .grad made
+        embedding = model.model.embed_tokens.weight
+        assert embedding.grad is not None
+        before = embedding.grad.clone()
+        with no_sync():
+            _Traversal(mode, model, pack, rows, Objective("sft", "token"), BatchTotals.of([rows])).run()
+    assert not torch.equal(embedding.grad, before)  # the second walk added into it
+
+
 def test_clip_fraction_stays_on_the_device():
     """GRPO's clip fraction is read back with the step's loss, not per pack."""
     logp_R = torch.randn(1000, device="cuda", dtype=torch.float64)

@@ -177,10 +177,11 @@ class _TargetLogProb(torch.autograd.Function):
     vocabulary) at the moment a DFS call's whole graph is alive: its memory peak."""
 
     @staticmethod
-    def forward(ctx, hidden_RD: Tensor, weight_VD: Tensor, target_R: Tensor, chunk: int, compiled: bool) -> Tensor:
+    def forward(ctx, hidden_RD: Tensor, weight_VD: Tensor, target_R: Tensor, chunk: int, compiled: bool,
+                working_VD: Tensor | None) -> Tensor:
         mm = _mm_dtype(hidden_RD)
         acc = torch.float64 if mm == torch.float64 else torch.float32
-        h_RD, w_VD = hidden_RD.to(mm), weight_VD.to(mm)
+        h_RD, w_VD = hidden_RD.to(mm), _operand(weight_VD, working_VD, mm)
         R = h_RD.shape[0]
         logp_R = torch.empty(R, dtype=acc, device=h_RD.device)
         lse_R = torch.empty(R, dtype=acc, device=h_RD.device)
@@ -202,6 +203,7 @@ class _TargetLogProb(torch.autograd.Function):
                 )
         ctx.save_for_backward(hidden_RD, weight_VD, target_R, lse_R)
         ctx.chunk, ctx.mm, ctx.compiled = chunk, mm, compiled
+        ctx.working, ctx.weight = working_VD, weight_VD  # the parameter itself: its .grad at backward time
         return logp_R
 
     @staticmethod
@@ -209,11 +211,14 @@ class _TargetLogProb(torch.autograd.Function):
         hidden_RD, weight_VD, target_R, lse_R = ctx.saved_tensors
         mm = ctx.mm
         acc = lse_R.dtype
-        h_RD, w_VD = hidden_RD.to(mm), weight_VD.to(mm)
+        h_RD, w_VD = hidden_RD.to(mm), _operand(weight_VD, ctx.working, mm)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         R, V = h_RD.shape[0], w_VD.shape[0]
         grad_h_RD = torch.zeros(hidden_RD.shape, dtype=acc, device=h_RD.device) if need_h else None
-        grad_w_VD = torch.empty_like(weight_VD) if need_w else None
+        # with a working copy the weight's gradient goes straight into its .grad once that exists (no [V, D]
+        # gradient for autograd to add): `treepack.train.working_weights`
+        into_VD = ctx.weight.grad if need_w and ctx.working is not None else None
+        grad_w_VD = torch.empty_like(weight_VD) if need_w and into_VD is None else None
         B = vocab_block(R, V, ctx.chunk)
         for v0 in range(0, V, B):
             w_BD = w_VD[v0 : v0 + B]
@@ -223,24 +228,35 @@ class _TargetLogProb(torch.autograd.Function):
             grad_logits_(grad_RB, lse_R, grad_R, target_R, v0)
             if need_h:
                 _matmul_into(grad_h_RD, grad_RB, w_BD, accumulate=True)
-            if need_w:
+            if into_VD is not None:
+                _matmul_into(into_VD[v0 : v0 + B], grad_RB.T, h_RD, accumulate=True)
+            elif need_w:
                 _matmul_into(grad_w_VD[v0 : v0 + B], grad_RB.T, h_RD, accumulate=False)
             del grad_RB
         if need_h:
             grad_h_RD = grad_h_RD.to(hidden_RD.dtype)
-        return grad_h_RD, grad_w_VD, None, None, None
+        return grad_h_RD, grad_w_VD, None, None, None, None
+
+
+def _operand(weight_VD: Tensor, working_VD: Tensor | None, mm: torch.dtype) -> Tensor:
+    """The head weight in the matmul dtype: its working copy when that holds this dtype, else a cast."""
+    return working_VD if working_VD is not None and working_VD.dtype == mm else weight_VD.to(mm)
 
 
 def target_logprobs(hidden_RD: Tensor, weight_VD: Tensor, target_R: Tensor,
-                    chunk_rows: int = DEFAULT_CHUNK_ROWS, *, compiled: bool = False) -> Tensor:
+                    chunk_rows: int = DEFAULT_CHUNK_ROWS, *, compiled: bool = False,
+                    working: Tensor | None = None) -> Tensor:
     """Log-prob [R] of ``target_R`` under ``softmax(hidden_RD @ weight_VD.T)``, in float32 (float64 for
     float64 inputs), at most ``chunk_rows`` x V logits alive at a time in forward and backward. On CUDA
     with float32 accumulation the softmax passes are `treepack.kernels.logprobs`' Triton kernels; elsewhere
-    the reference, through `torch.compile` when ``compiled``."""
+    the reference, through `torch.compile` when ``compiled``.
+
+    ``working``: the weight's 16-bit copy (`treepack.train.working_weights.head_copy`), read instead of a
+    cast; the backward then adds the weight's gradient into ``weight_VD.grad`` in place when that exists."""
     if hidden_RD.shape[0] == 0:
         acc = torch.float64 if hidden_RD.dtype == torch.float64 else torch.float32
         return (hidden_RD.sum(-1) + weight_VD.sum() * 0).to(acc)  # empty, still attached to the graph
-    return _TargetLogProb.apply(hidden_RD, weight_VD, target_R.long(), int(chunk_rows), bool(compiled))
+    return _TargetLogProb.apply(hidden_RD, weight_VD, target_R.long(), int(chunk_rows), bool(compiled), working)
 
 
 # --------------------------------------------------------------------------------------------------

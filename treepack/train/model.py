@@ -47,6 +47,7 @@ from treepack.train.architecture import ModelArgs
 from treepack.train.attention import KV, AttentionContext, KernelSchedule
 from treepack.train.compiled import activation_memory_budget, pick, use_compiled
 from treepack.train.compiled import compiled as compiled_fn
+from treepack.train.working_weights import embed
 
 # --------------------------------------------------------------------------------------------------
 # Layers
@@ -265,7 +266,7 @@ class Decoder(nn.Module):
         self.compile = "auto"  # auto | on | off: torch.compile the elementwise regions (auto = on CUDA)
         # share of a compiled layer's saved activations kept for backward (`activation_memory_budget`)
         self.activation_memory_budget = 1.0
-        self.working_weights = None  # `working_weights.WorkingWeights`: 16-bit copies of the matrix weights
+        self.working_weights = None  # `working_weights.WorkingWeights`: 16-bit copies of the weights
 
     @property
     def head_weight(self) -> Tensor:
@@ -292,7 +293,10 @@ class Decoder(nn.Module):
         cached prefix visible to every token (its positions precede ``position_ids_T``)."""
         if past_kv is not None and len(past_kv) != self.args.num_layers:
             raise ValueError(f"past_kv must have one (k, v) per layer ({self.args.num_layers}), got {len(past_kv)}")
-        x_TD = self.model.embed_tokens(input_ids_T)
+        if self.working_weights is not None and self.working_weights.in_place:  # gradient into .grad in place
+            x_TD = embed(input_ids_T, self.model.embed_tokens.weight)
+        else:
+            x_TD = self.model.embed_tokens(input_ids_T)
         cos_TE, sin_TE = rope_cos_sin(self.args, position_ids_T, x_TD.dtype)
         compiled = self.uses_compiled(x_TD.device)
         schedule = None

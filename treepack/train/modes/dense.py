@@ -39,6 +39,7 @@ from treepack.train.attention import AttentionContext
 from treepack.train.data import DensePlan, plan_dense
 from treepack.train.losses import target_logprobs
 from treepack.train.modes.base import Mode, ModeResult, row_dtype
+from treepack.train.working_weights import head_copy
 
 DENSE_MODES = ("dense", "dense-leaf")
 
@@ -83,7 +84,7 @@ class DenseMode(Mode):
                               attn).hidden_TD
             logp_U = target_logprobs(hidden_ND[torch.as_tensor(read_U, device=dev)], model.head_weight,
                                      torch.as_tensor(target_R[rows_b[first_U]], device=dev), self.chunk_rows,
-                                     compiled=compiled)
+                                     compiled=compiled, working=head_copy(model))
             rows_b_t = torch.as_tensor(rows_b, device=dev)
             logp_b = logp_U[torch.as_tensor(inverse_b.reshape(-1), device=dev)]
             loss_b = objective.loss(logp_b, **{k: v[rows_b_t] for k, v in tensors.items()})

@@ -29,7 +29,8 @@ per-call path has no host sync, nor has a pack's start, whose uploads go through
 (tests/test_host_sync_gpu.py), yet a call of a few thousand tokens does not hide it. So the schedule makes
 few calls (anchors merged into grad calls, pops of one path merged), the attention forward is not
 recomputed under a memory budget, and each call's parameter gradients are summed with one multi-tensor add
-(`_GradSum`; the matrix weights' by the working weights' hooks, `treepack.train.working_weights`). On an H100 a tau-bench step (144 records, B=8192, budget 0.7, 10
+(`_GradSum`; under working weights, `treepack.train.working_weights`, the matrices' by hooks and the embedding's
+and head's in place). On an H100 a tau-bench step (144 records, B=8192, budget 0.7, 10
 calls, attention auto) took 0.995-1.007 s at 12.66 GiB, the GPU busy ~0.85-0.94 s of it
 (benchmarks/results/2026-11-26-dfs-host-h100.md).
 With ``cuda_graphs`` (`train.dfs_cuda_graphs`, `dfs_graphs`) a call shape met again is replayed from a CUDA
@@ -69,6 +70,7 @@ from treepack.train.modes.dfs_schedule import (
     plan,
 )
 from treepack.train.transfer import to_device
+from treepack.train.working_weights import head_copy
 
 # --------------------------------------------------------------------------------------------------
 # Execution
@@ -161,7 +163,7 @@ class _GradSum:
         params = [p for p in model.parameters() if p.requires_grad]
         # FSDP2's parameters are DTensors (type DTensor, not Parameter): their gradients are left alone
         plain = SUM_GRADS_AT_ONCE and all(type(p) is torch.nn.Parameter for p in params)
-        # and so are those the working weights' hooks add into in place (`treepack.train.working_weights`)
+        # and so are those the working weights write in place (hooks, the head's GEMMs, the embedding's rows)
         working = model.working_weights.params if getattr(model, "working_weights", None) is not None else set()
         self.params = [p for p in params if id(p) not in working] if plain else []
         self.held: list[Tensor | None] = []
@@ -527,7 +529,8 @@ class _Traversal:
             return None
         u_X, index = self.index["u", k], self.index
         logp_X = target_logprobs(hidden_CD[index["local", k]], self.model.head_weight, self.ids_T[index["target", k]],
-                                 self.mode.chunk_rows, compiled=self.model.uses_compiled(self.dev))
+                                 self.mode.chunk_rows, compiled=self.model.uses_compiled(self.dev),
+                                 working=head_copy(self.model))
         self.logp_U[u_X] = logp_X.detach().to(self.logp_U.dtype)
         if self.weight_U is not None:
             loss = -(self.weight_U[u_X] * logp_X).sum()

@@ -17,6 +17,7 @@ from treepack.train.attention import AttentionContext
 from treepack.train.losses import target_logprobs, token_weights_fast
 from treepack.train.modes.base import LayoutError, Mode, ModeResult, row_dtype
 from treepack.train.transfer import to_device
+from treepack.train.working_weights import head_copy
 
 
 class TreeMode(Mode):
@@ -50,7 +51,8 @@ class TreeMode(Mode):
             raise LayoutError(f"pack token {u} is a training target but its parent is {int(parent_U[np.argmax(bad)])}")
         token_U_t = to_device(token_U, dev)
         logp_U = target_logprobs(hidden_TD[to_device(parent_U, dev)], model.head_weight,
-                                 ids_T[token_U_t], self.chunk_rows, compiled=model.uses_compiled(dev))
+                                 ids_T[token_U_t], self.chunk_rows, compiled=model.uses_compiled(dev),
+                                 working=head_copy(model))
         # Rows gather their token's log-prob: the gather's backward sums shared tokens' gradients.
         logp_R = logp_U[to_device(np.searchsorted(token_U, rows.token_R), dev)]
         rows_dtype = row_dtype(model)
