@@ -12,10 +12,14 @@ per-call all-gather/reduce-scatter would need every rank to make the same calls 
 would deadlock. Instead, at the start of a step every rank all-gathers every unit once (the same
 collectives in the same order everywhere), keeps the parameters gathered (``reshard_after_forward`` and
 ``reshard_after_backward`` off) with gradient sync off, runs its packs with no collective at all, and then
-runs one tiny *sync* forward/backward (one token, zero loss) with gradient sync on: its backward
+runs one tiny *sync* pass with gradient sync on: the embedding of one token through the root module alone
+(`Decoder.embeddings`, registered as an FSDP forward method), with a zero loss. Its backward ends in FSDP's
+root callback, which runs the post-backward of every unit the pass did not reach, so each unit
 reduce-scatters the gradients accumulated over the step (summed over ranks, ``divide factor 1``; in
 float32 under bf16) while every rank waits for the slowest (that wait is the idle time the trainer
-reports). Memory within a step is thus that of DDP/ZeRO-2 for parameters and gradients (gathered: 2 + 4
+reports). A sync pass through the whole decoder cost ~0.2 s of host time a step (28 layers' hooks, compiled
+regions and kernels for one token) on an H100 host; the root alone costs the reduce-scatters
+(benchmarks/results/2026-11-27-distributed-sync-2xh100.md). Memory within a step is thus that of DDP/ZeRO-2 for parameters and gradients (gathered: 2 + 4
 bytes per parameter under bf16) with the optimizer state sharded (12 bytes per parameter over N); a
 1.7B model holds ~10 GB gathered, which the training-memory budget of treepack's packs already assumes.
 """
@@ -25,9 +29,9 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from treepack.train.attention import AttentionContext
 from treepack.train.distributed import sum_gradients
 from treepack.train.model import Decoder
 
@@ -46,12 +50,13 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
 def shard_model(model: Decoder, mesh, *, param_dtype: torch.dtype | None = None) -> Decoder:
     """``fully_shard`` every decoder layer and the root over ``mesh`` (in place; returns the model).
     ``param_dtype`` (bf16): FSDP mixed precision, gradients reduced in float32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    register_fsdp_forward_method(model, "embeddings")  # the sync pass (`Accumulation.finish`)
     sum_gradients(model)
     for m in fsdp_modules(model):
         if hasattr(m, "set_reduce_scatter_unused_params"):  # torch >= 2.12: zero grads where a rank had none
@@ -80,29 +85,43 @@ class Accumulation:
                 h.wait()
 
     def finish(self) -> None:
-        """The sync micro-batch: reduce-scatter the step's gradients, then free the gathered parameters."""
+        """The sync pass (the root module alone): reduce-scatter the step's gradients, then free the gathered
+        parameters."""
         if not self.modules:
             return
         model = self.model
         model.set_requires_gradient_sync(True)
-        dev = model.device
-        ids = torch.zeros(1, dtype=torch.long, device=dev)
-        attn = AttentionContext.causal([1], "sdpa", device=dev)
-        hidden = model(ids, ids, attn).hidden_TD
-        (hidden.sum() * 0 + model.head_weight.sum() * 0).backward()
+        ids = torch.zeros(1, dtype=torch.long, device=model.device)
+        (model.embeddings(ids).sum() * 0).backward()  # FSDP's root callback reduce-scatters every unit
         for m in self.modules:
             m.reshard()
 
 
 def grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
-    """The global gradient norm (over every rank's shards), clipping to ``max_norm`` when it is > 0."""
-    from torch.distributed.tensor import DTensor
+    """The global gradient norm (over every rank's shards), clipping to ``max_norm`` when it is > 0.
+
+    FSDP2 shards every gradient by rows over one mesh: the norm is the square root of the ranks' summed
+    squared norms of their local shards, one all-reduce of one number. torch's ``clip_grad_norm_`` computes
+    the same through DTensor dispatch of each multi-tensor op (13-16 ms of host time a step on an H100
+    host against ~2 ms here); it stays the path for anything else (plain tensors, other placements)."""
+    from torch.distributed.tensor import DTensor, Shard
 
     grads = [p.grad for p in params if p.grad is not None]
-    if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm(grads)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    if not grads:
+        return 0.0
+    sharded = all(isinstance(g, DTensor) and g.device_mesh.ndim == 1 and g.placements == (Shard(0),) for g in grads)
+    if not sharded:
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+    local = [g.to_local() for g in grads]
+    squared = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local))) ** 2
+    dist.all_reduce(squared, group=grads[0].device_mesh.get_group())
+    norm = squared.sqrt()
+    if max_norm > 0:  # as clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1
+        torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return float(norm)

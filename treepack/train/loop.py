@@ -219,16 +219,19 @@ def build_model(cfg: RunConfig, packs: list[Pack], device: torch.device, dtype: 
 def make_optimizer(model: Decoder, cfg: RunConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not on norms and biases).
 
-    On CUDA with plain (unsharded) parameters, torch's fused kernel: one pass over parameters, gradients
-    and both moments instead of the multi-tensor loop's many (AdamW and clipping took 13 ms of a ToolBench
-    tree step's GPU time on an H200, benchmarks/results/2026-11-25-child-order-h200.md). Sharded (DTensor)
-    parameters keep the loop."""
+    On CUDA, torch's fused kernel: one pass over parameters, gradients and both moments instead of the
+    multi-tensor loop's many (AdamW and clipping took 13 ms of a ToolBench tree step's GPU time on an H200,
+    benchmarks/results/2026-11-25-child-order-h200.md), for FSDP2's sharded (DTensor) parameters too, where
+    it is one DTensor dispatch instead of the loop's dozen over every parameter (17-27 ms of host time a
+    step on an H100 host, benchmarks/results/2026-11-27-distributed-sync-2xh100.md)."""
+    from torch.distributed.tensor import DTensor
+
     t = cfg.train
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for p in params)
+    fused = bool(params) and all(p.device.type == "cuda" and type(p.data) in (torch.Tensor, DTensor) for p in params)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused or None)
 
 

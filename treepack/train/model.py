@@ -318,6 +318,11 @@ class Decoder(nn.Module):
                     kv_out.append(kv)
         return DecoderOutput(hidden_TD=self.model.norm(x_TD), kv=kv_out)
 
+    def embeddings(self, input_ids_T: Tensor) -> Tensor:
+        """The input embeddings alone, through no layer: under FSDP2 the cheapest forward of the root
+        module, whose backward still ends in the root's gradient sync of every unit (`fsdp.Accumulation`)."""
+        return self.model.embed_tokens(input_ids_T)
+
     def uses_compiled(self, device: torch.device) -> bool:
         """Whether forwards (and the losses over them) run the compiled elementwise regions here."""
         return use_compiled(self.compile, device, self.dtype)

@@ -142,7 +142,7 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
     if sharded:
         shard_model(model, group.mesh, param_dtype=autocast_dtype)  # bf16: FSDP mixed precision, not autocast
     optimizer = make_optimizer(model, cfg)
-    if sharded:
+    if sharded and not optimizer.defaults.get("fused"):
         for g in optimizer.param_groups:  # AdamW picks its per-tensor loop for DTensors unless told otherwise
             g["foreach"] = True
     autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None and not sharded
