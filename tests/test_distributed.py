@@ -267,3 +267,68 @@ def test_one_rank_runs_the_plain_loop_ops(tmp_path, monkeypatch):
     # step); the plain loop reads them back from a copy during the next step
     assert extra["c10d.allgather_"] == 2 and extra["aten._local_scalar_dense"] == 2 * 2, extra
     assert sum(extra.values()) - 2 * 2 <= 5 * 2, extra
+
+
+def test_layer_units_group_consecutive_layers_under_the_bound():
+    from torch import nn
+
+    from treepack.train.fsdp import layer_units
+
+    layers = [nn.Linear(n, 1, bias=False) for n in (3, 4, 2, 9, 1, 1)]  # float32 bytes: 12 16 8 36 4 4
+    units = layer_units(layers, unit_bytes=28)
+    assert [[layers.index(m) for m in u] for u in units] == [[0, 1], [2], [3], [4, 5]]
+    assert [m for u in layer_units(layers, unit_bytes=1 << 30) for m in u] == layers
+    assert len(layer_units(layers, unit_bytes=1 << 30)) == 1
+
+
+def test_sync_pass_reduces_every_unit_without_running_a_layer(monkeypatch):
+    """`Accumulation.finish` runs the root module alone: no decoder layer runs in it, yet every unit's
+    accumulated gradient reaches its sharded ``.grad`` (1 rank, float64: exactly an unsharded twin's)."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from treepack.train.architecture import ModelArgs
+    from treepack.train.attention import AttentionContext
+    from treepack.train.fsdp import Accumulation, layer_units, shard_model
+    from treepack.train.model import Decoder
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    args = ModelArgs(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=8, qk_norm=True, tie_embeddings=True)
+    ids = torch.tensor([3, 5, 7, 11, 13, 17])
+    pos = torch.arange(6)
+
+    def loss(model):
+        return model(ids, pos, AttentionContext.causal([6], "sdpa")).hidden_TD.pow(2).sum()
+
+    twin = Decoder.random_init(args, seed=1, dtype=torch.float64)
+    for _ in range(2):  # two packs of one step
+        loss(twin).backward()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = Decoder.random_init(args, seed=1, dtype=torch.float64)
+        layer_bytes = 4 * sum(p.numel() for p in model.model.layers[0].parameters())
+        monkeypatch.setattr("treepack.train.fsdp.UNIT_BYTES", 2 * layer_bytes)
+        assert [len(u) for u in layer_units(list(model.model.layers))] == [2, 1]
+        shard_model(model, init_device_mesh("cpu", (1,)))
+        assert len(model.fsdp_units) == 3  # two units of layers and the root
+        accumulation = Accumulation(model)
+        calls = []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda module, inputs: calls.append(module))
+        accumulation.begin()
+        for _ in range(2):
+            loss(model).backward()
+        assert len(calls) == 2 * args.num_layers
+        accumulation.finish()
+        assert len(calls) == 2 * args.num_layers  # the sync pass ran no layer
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad.full_tensor(), q.grad), name
+    finally:
+        dist.destroy_process_group()

@@ -267,6 +267,7 @@ class Decoder(nn.Module):
         # share of a compiled layer's saved activations kept for backward (`activation_memory_budget`)
         self.activation_memory_budget = 1.0
         self.working_weights = None  # `working_weights.WorkingWeights`: 16-bit copies of the weights
+        self.fsdp_units: list[nn.Module] | None = None  # one module per FSDP unit (`fsdp.shard_model`)
 
     @property
     def head_weight(self) -> Tensor:

@@ -189,7 +189,7 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
             for g in optimizer.param_groups:
                 g["lr"] = lr
             accumulation.begin()
-            t_begin = time.perf_counter()
+            timer = PackTimer(device)
             loss_sum, tokens, extra, work = None, 0, {}, {}
             for pack in share.packs:
                 rows = LossRows.from_pack(pack)
@@ -203,17 +203,18 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
                 for k, v in out.metrics.items():
                     if isinstance(v, (int, float, torch.Tensor)) and k not in work:
                         extra[k] = extra.get(k, 0.0) + v / max(len(share.packs), 1)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            extra = {k: float(v) for k, v in extra.items()}  # device metrics (clip fraction), after the sync
-            t_compute = time.perf_counter() - t_begin
-            loss = float(loss_sum) if loss_sum is not None else 0.0
+            timer.stop()
+            # queued behind the packs, no host sync until the step's numbers are read below
             accumulation.finish()
-            norm = grad_norm(params, cfg.train.grad_clip)
+            norm_t = grad_norm(params, cfg.train.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            t_compute = timer.seconds()
+            extra = {k: float(v) for k, v in extra.items()}  # device metrics (clip fraction)
+            loss = float(loss_sum) if loss_sum is not None else 0.0
+            norm = float(norm_t)
             seconds = max(time.perf_counter() - t0, 1e-9)
             ranks = gather_floats([loss, tokens, t_compute, _mem_gb(device)], device)
             loss = float(ranks[:, 0].sum())
@@ -234,6 +235,30 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
             metrics_file.close()
     return TrainResult(output_dir=out_dir, first_step=start + 1, last_step=cfg.train.steps, losses=losses,
                        stats=stats_run)
+
+
+class PackTimer:
+    """A rank's compute time of one step's packs: CUDA events around them (read once the step is done, so the
+    host queues the gradient sync, clipping and AdamW behind the packs instead of waiting for them), or the
+    host clock on a CPU, where every op finishes before the next starts."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.t0, self.t1 = time.perf_counter(), None
+
+    def stop(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.t1 - self.t0
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
 
 
 def _step_stats(step: int, cfg: RunConfig, share, ranks: np.ndarray, batch: list[Pack], lr: float, norm: float,
