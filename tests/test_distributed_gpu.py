@@ -5,7 +5,6 @@ and the step count lives on the GPU: the resume round-trips it through a DCP che
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,8 +13,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-from safetensors.torch import load_file
-from test_distributed import write_rollouts
+from test_distributed import losses, max_rel_diff, weights, write_rollouts
 
 from treepack.train.config import load_config
 from treepack.train.loop import train
@@ -63,19 +61,6 @@ def torchrun(config: Path, cwd: Path) -> None:
            "train", str(config)]
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-
-
-def weights(run_dir: Path) -> dict:
-    return load_file(str(run_dir / "checkpoint" / "model.safetensors"))
-
-
-def losses(run_dir: Path) -> list[float]:
-    return json.loads((run_dir / "checkpoint" / "trainer.json").read_text())["losses"]
-
-
-def max_rel_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b)
 
 
 @pytest.mark.parametrize("mode", ["tree", "dfs"])

@@ -23,9 +23,11 @@ reduce-scatters the gradients accumulated over the step (summed over ranks, ``di
 float32 under bf16) while every rank waits for the slowest (that wait is the idle time the trainer
 reports). A sync pass through the whole decoder cost ~0.2 s of host time a step (28 layers' hooks, compiled
 regions and kernels for one token) on an H100 host; the root alone costs the reduce-scatters
-(benchmarks/results/2026-11-27-distributed-sync-2xh100.md). Memory within a step is thus that of DDP/ZeRO-2 for parameters and gradients (gathered: 2 + 4
-bytes per parameter under bf16) with the optimizer state sharded (12 bytes per parameter over N); a
-1.7B model holds ~10 GB gathered, which the training-memory budget of treepack's packs already assumes.
+(benchmarks/results/2026-11-27-distributed-sync-2xh100.md).
+
+Memory within a step is thus that of DDP/ZeRO-2 for parameters and gradients (gathered: 2 + 4 bytes per
+parameter under bf16) with the optimizer state sharded (12 bytes per parameter over N); a 1.7B model holds
+~10 GB gathered, which the training-memory budget of treepack's packs already assumes.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def layer_units(layers: list[nn.Module], unit_bytes: int | None = None) -> list[
 
 
 def shard_model(model: Decoder, mesh, *, param_dtype: torch.dtype | None = None) -> Decoder:
-    """``fully_shard`` every decoder layer and the root over ``mesh`` (in place; returns the model).
+    """``fully_shard`` the decoder's units of layers (`layer_units`) and the root over ``mesh`` (in place;
+    returns the model).
     ``param_dtype`` (bf16): FSDP mixed precision, gradients reduced in float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
