@@ -6,9 +6,15 @@ gradients each (a layer alone when it is larger), the root (embeddings, final no
 parameters, gradients and AdamW state live sharded between steps (1/N of each per rank). A step gathers and
 reduce-scatters every unit once (below), so units buy no overlap here, and each costs host time: ~1 ms to
 gather and ~1 ms to reduce-scatter on an H100 host, 29 units for Qwen3-0.6B with one per layer, 3 at
-`UNIT_BYTES`. The bound keeps the reduce-scatter's float32 input buffer, one per unit, small. On CUDA with
-bfloat16 the `MixedPrecisionPolicy` gathers parameters in bf16 and reduces gradients in float32 (float32
-master weights and optimizer state), instead of autocast; float32/float64 runs compute in that dtype.
+`UNIT_BYTES`. The bound keeps the reduce-scatter's float32 input buffer, one per unit, small.
+
+Precision: parameters are gathered in their own dtype (float32 under bf16 training) and a bf16 run computes
+under autocast, as one process does: the residual stream, the norms and the embedding stay float32, and
+gradients reduce in float32. So N ranks compute what one process computes (on 2 H100s the same step-1 loss,
+and 15x closer to the one-process run over 30 steps than FSDP2's bf16 ``MixedPrecisionPolicy``, which casts
+every parameter and runs without autocast: benchmarks/results/2026-11-27-distributed-units-2xh100.md). The
+price: the gather moves float32, twice a bf16 gather's bytes, once a step, and autocast casts the matrices to
+bf16 once per model call.
 
 The accumulation protocol (`Accumulation`). Ranks run different numbers of packs, and a pack makes a
 data-dependent number of model calls (dfs: one per segment, each with its own backward), so FSDP's usual
@@ -25,9 +31,9 @@ reports). A sync pass through the whole decoder cost ~0.2 s of host time a step 
 regions and kernels for one token) on an H100 host; the root alone costs the reduce-scatters
 (benchmarks/results/2026-11-27-distributed-sync-2xh100.md).
 
-Memory within a step is thus that of DDP/ZeRO-2 for parameters and gradients (gathered: 2 + 4 bytes per
-parameter under bf16) with the optimizer state sharded (12 bytes per parameter over N); a 1.7B model holds
-~10 GB gathered, which the training-memory budget of treepack's packs already assumes.
+Memory within a step is thus that of DDP/ZeRO-2 for parameters and gradients (gathered: 4 + 4 bytes per
+parameter) with the parameters' shards and AdamW state sharded (12 bytes per parameter over N); a 1.7B model holds ~14 GB
+gathered, as one process does.
 """
 
 from __future__ import annotations
@@ -75,17 +81,15 @@ def layer_units(layers: list[nn.Module], unit_bytes: int | None = None) -> list[
     return units
 
 
-def shard_model(model: Decoder, mesh, *, param_dtype: torch.dtype | None = None) -> Decoder:
+def shard_model(model: Decoder, mesh) -> Decoder:
     """``fully_shard`` the decoder's units of layers (`layer_units`) and the root over ``mesh`` (in place;
-    returns the model).
-    ``param_dtype`` (bf16): FSDP mixed precision, gradients reduced in float32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    returns the model), parameters gathered in their own dtype (bf16 compute is the caller's autocast)."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     units = layer_units(list(model.model.layers))
     for unit in units:
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
     model.fsdp_units = [unit[0] for unit in units] + [model]
     register_fsdp_forward_method(model, "embeddings")  # the sync pass (`Accumulation.finish`)
     sum_gradients(model)
