@@ -233,6 +233,11 @@ def test_duplicate_ids_are_reported(tmp_path):
     ('{"input_ids": [1], "logprobs": [NaN]}', "field 'logprobs'[0] is not a finite number: NaN"),
     ('{"input_ids": [1], "step": 1.5}', "field 'step' must be an integer, got 1.5"),
     ('{"input_ids": [1], "id": [1]}', "field 'id' must be a string or an integer, got array"),
+    ('{"input_ids": [[1, 2], 3]}', "field 'input_ids'[0] is not an integer: [1, 2]"),
+    ('{"input_ids": [1, 2], "loss_mask": [[1], 1]}', "field 'loss_mask'[0] must be 0 or 1, got [1]"),
+    ('{"input_ids": [1, 2], "logprobs": [-0.5, [-0.25]]}', "field 'logprobs'[1] is not a finite number: [-0.25]"),
+    ('{"tags": ["a"], "input_ids": [1, [2], 3]}', "field 'input_ids'[1] is not an integer: [2]"),
+    ('{"input_ids": [[1], [2]], "meta": {"input_ids": [5]}}', "field 'input_ids'[0] is not an integer: [1]"),
 ])
 def test_fast_path_defers_to_the_precise_message(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
@@ -243,13 +248,16 @@ def test_fast_path_defers_to_the_precise_message(tmp_path, line, message):
 
 
 bad_or_good = st.one_of(
-    st.fixed_dictionaries({"input_ids": st.lists(st.integers(-2, 2**31 + 1), min_size=0, max_size=5)},
-                          optional={"loss_mask": st.lists(st.sampled_from([0, 1, 2, True, False, 1.0, -1]), max_size=5),
-                                    "logprobs": st.lists(st.sampled_from([-0.5, -1, 0.0, -2.25]), max_size=5),
+    st.fixed_dictionaries({"input_ids": st.lists(st.one_of(st.integers(-2, 2**31 + 1), st.just([7])), min_size=0,
+                                                 max_size=5)},
+                          optional={"loss_mask": st.lists(st.sampled_from([0, 1, 2, True, False, 1.0, -1, [1]]),
+                                                          max_size=5),
+                                    "logprobs": st.lists(st.sampled_from([-0.5, -1, 0.0, -2.25, [-0.5]]), max_size=5),
                                     "reward": st.sampled_from([None, 1, 0.5, "x", True]),
                                     "step": st.sampled_from([0, 1, 2.5, None]),
                                     "id": st.sampled_from(["a", 3, None, [1]]),
-                                    "tree_id": st.sampled_from(["t", 0, None])}),
+                                    "tree_id": st.sampled_from(["t", 0, None]),
+                                    "tags": st.sampled_from([["x"], "[", {"input_ids": [1]}])}),
     st.sampled_from(["[1, 2]", "not json", '{"input_ids": [1, 2.0]}', '{"tokens": [4, 5]}']),
 )
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -333,6 +334,8 @@ class _Reader:
                 if (lp == np.floor(lp)).any():  # maybe written as integers: the precise path decides the form
                     raise _Slow
                 carry |= CARRY_LOGPROBS
+            if _nested(raw, [k for k, a in ((tf, toks), ("loss_mask", m), ("logprobs", x)) if a is not None]):
+                raise _Slow
             scalars = {k: obj.get(k) for k in ("id", "tree_id", "group_id", "step", "advantage", "reward")}
             if any(isinstance(v, (simdjson.Object, simdjson.Array)) for v in scalars.values()):
                 raise _Slow
@@ -456,6 +459,36 @@ class _Reader:
 
 class _Slow(Exception):
     """The fast path does not take this record: the precise path does."""
+
+
+def _nested(raw: bytes, names: list[str]) -> bool:
+    """Whether a line's arrays ``names`` (numbers for simdjson) may hold arrays, which ``as_buffer`` flattens
+    into their values (``[[1, 2], 3]`` -> 1, 2, 3). A line with no more ``[`` than these arrays has none
+    (memchr speed); else every ``"name": [`` of the line (the record's own key among them, unless written with
+    escapes) must open an array with no ``[`` before its first ``]``."""
+    at = -1
+    for _ in range(len(names) + 1):
+        at = raw.find(b"[", at + 1)
+        if at < 0:
+            return False
+    for name in names:
+        key = b'"' + name.encode() + b'"'
+        found = False
+        at = raw.find(key)
+        while at >= 0:
+            m = _OPENS_ARRAY.match(raw, at + len(key))
+            if m:
+                end = raw.find(b"]", m.end())
+                if raw.find(b"[", m.end(), len(raw) if end < 0 else end) >= 0:
+                    return True
+                found = True
+            at = raw.find(key, at + 1)
+        if not found:
+            return True
+    return False
+
+
+_OPENS_ARRAY = re.compile(rb"\s*:\s*\[")
 
 
 def read_json_file(path: str, name: str, tokens_field: str | None, on_error: str, builder: Builder,
