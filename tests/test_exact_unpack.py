@@ -44,9 +44,9 @@ def records(draw):
                                        "messages", "uid"]))
         for name in fields[: draw(st.integers(0, len(fields)))]:
             if name == "id":
-                rec[name] = draw(st.one_of(st.integers(0, 3), st.text(max_size=3)))
+                rec[name] = draw(st.one_of(st.integers(0, 3), st.text(max_size=3), st.just(2**64)))
             elif name == "tree_id":
-                rec[name] = draw(st.one_of(st.none(), st.integers(0, 2), st.sampled_from(["a", "b"])))
+                rec[name] = draw(st.one_of(st.none(), st.integers(0, 2), st.sampled_from(["a", "b", -2**70])))
             elif name == "loss_mask":
                 rec[name] = draw(st.one_of(
                     st.none(), st.lists(st.integers(0, 1), min_size=len(toks), max_size=len(toks)),
@@ -135,6 +135,17 @@ def test_unpack_cli_parquet_and_jsonl(tmp_path):
     assert run("unpack", tmp_path / "p", "-o", tmp_path / "back.parquet").code == 0
     assert pq.read_table(tmp_path / "back.parquet").column_names == ["id", "input_ids", "loss_mask", "reward", "x",
                                                                       "extra"]
+
+
+def test_ids_beyond_int64_round_trip(tmp_path):
+    """JSON integers of any size are ids and tree ids like any other (shards keep them as JSON text)."""
+    recs = [{"id": 2**64, "tree_id": -2**70, "input_ids": [1, 2]}, {"id": 1, "tree_id": 3, "input_ids": [1, 3]}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    r = run("pack", src, "-c", "1K", "-o", tmp_path / "p", "-q", "--group-by", "tree_id")
+    assert (r.code, r.err) == (0, "")
+    assert run("unpack", tmp_path / "p", "-o", tmp_path / "back.jsonl", "-q").code == 0
+    assert (tmp_path / "back.jsonl").read_text() == "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in recs)
 
 
 @pytest.mark.skipif(not (DATA / "rollouts" / "toolbench_dfs.parquet").exists(), reason="shared data absent")

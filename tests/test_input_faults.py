@@ -232,6 +232,7 @@ def test_duplicate_ids_are_reported(tmp_path):
     ('{"input_ids": [1, 18446744073709551616]}', "field 'input_ids'[1] does not fit int32 (18446744073709551616)"),
     ('{"input_ids": [1], "logprobs": [NaN]}', "field 'logprobs'[0] is not a finite number: NaN"),
     ('{"input_ids": [1], "step": 1.5}', "field 'step' must be an integer, got 1.5"),
+    ('{"input_ids": [1], "step": 9223372036854775808}', "field 'step' does not fit int64 (9223372036854775808)"),
     ('{"input_ids": [1], "id": [1]}', "field 'id' must be a string or an integer, got array"),
     ('{"input_ids": [[1, 2], 3]}', "field 'input_ids'[0] is not an integer: [1, 2]"),
     ('{"input_ids": [1, 2], "loss_mask": [[1], 1]}', "field 'loss_mask'[0] must be 0 or 1, got [1]"),

@@ -120,6 +120,13 @@ def test_parquet_errors_name_the_row(tmp_path):
     pq.write_table(pa.table({"input_ids": pa.array([[1.5]])}), tmp_path / "float.parquet")
     with pytest.raises(InputError, match=r"field 'input_ids' must be a list of integers, got list<element: double>"):
         read_rollouts(tmp_path / "float.parquet")
+    steps = pa.table({"input_ids": [[1], [2]], "step": pa.array([1, 2**63], pa.uint64())})
+    pq.write_table(steps, tmp_path / "steps.parquet")
+    with pytest.raises(InputError) as exc:
+        read_rollouts(tmp_path / "steps.parquet")
+    assert str(exc.value) == f"{tmp_path / 'steps.parquet'}: row 1: field 'step' does not fit int64 (9223372036854775808)"
+    r = read_rollouts(tmp_path / "steps.parquet", on_error="skip")
+    assert r.steps.tolist() == [1] and dict(r.skipped) == {"bad step": 1}
 
 
 def test_missing_file(tmp_path):

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from treepack.errors import InputError
 from treepack.io.builder import Builder
 from treepack.io.extras import CARRY_LOGPROBS, CARRY_MASK_BOOL, CARRY_MASK_INT, CARRY_TOKENS, template
-from treepack.io.rollouts import GROUP_ALIASES, INT32_MAX, TOKEN_ALIASES
+from treepack.io.rollouts import GROUP_ALIASES, INT32_MAX, INT64_MAX, TOKEN_ALIASES
 
 
 def _one_array(col: pa.ChunkedArray | pa.Array) -> pa.Array:
@@ -177,6 +177,9 @@ def _ingest_table(
             arr = np.asarray([math.nan if v is None else v for v in out], dtype=np.float64)
             badrows = np.flatnonzero(~np.isfinite(arr) & np.asarray([v is not None for v in out]))
             row_problem(f"bad {field_name}", badrows, lambda r: f"field {field_name!r} must be a finite number")
+        if kind == "int" and pa.types.is_uint64(col.type):  # steps are int64
+            big = np.flatnonzero(np.asarray([v is not None and v > INT64_MAX for v in out], dtype=bool))
+            row_problem(f"bad {field_name}", big, lambda r: f"field {field_name!r} does not fit int64 ({out[r]})")
         return out
 
     ids = scalar("id", "key")

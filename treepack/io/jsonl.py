@@ -39,7 +39,7 @@ from treepack.io.extras import (
     mask_carry,
     template,
 )
-from treepack.io.rollouts import GROUP_ALIASES, INT32_MAX, TOKEN_ALIASES, Progress
+from treepack.io.rollouts import GROUP_ALIASES, INT32_MAX, INT64_MAX, INT64_MIN, TOKEN_ALIASES, Progress
 from treepack.io.streams import StreamError, iter_blocks
 
 try:  # optional at import, a dependency of the package: without it every line takes the precise path
@@ -126,6 +126,8 @@ def _check_scalars(rec) -> None:
     step = rec.get("step")
     if step is not None and not _is_int(step):
         raise _RecordError("bad step", f"field 'step' must be an integer, got {json.dumps(step)}")
+    if step is not None and not INT64_MIN <= step <= INT64_MAX:
+        raise _RecordError("bad step", f"field 'step' does not fit int64 ({step})")
     for name in ("id", *GROUP_ALIASES):
         v = rec.get(name)
         if v is not None and not (isinstance(v, str) or _is_int(v)):

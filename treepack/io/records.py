@@ -21,12 +21,13 @@ import pyarrow.parquet as pq
 
 from treepack.errors import TreepackError
 from treepack.io.extras import CARRY_LOGPROBS, CARRY_MASK_BOOL, CARRY_MASK_INT, fill
-from treepack.io.rollouts import TOKEN_ALIASES, Rollouts
+from treepack.io.rollouts import INT64_MAX, INT64_MIN, TOKEN_ALIASES, Rollouts
 
 
 def key_encoding(values: list) -> str:
-    """How ids / tree ids are stored: all ints -> int64, all strings -> string, a mix -> JSON strings."""
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    """How ids / tree ids are stored: all ints within int64 -> int64, all strings -> string, a mix (or a JSON
+    integer beyond int64) -> JSON strings."""
+    if all(isinstance(v, int) and not isinstance(v, bool) and INT64_MIN <= v <= INT64_MAX for v in values):
         return "int"
     if all(isinstance(v, str) for v in values):
         return "str"
@@ -137,8 +138,8 @@ def write_rollouts(r: Rollouts, path: str) -> None:
     if path.endswith((".parquet", ".pq")):
         for what, keys in (("ids", r.ids), ("tree ids", r.group_names or [])) if r.extras is None else ():
             if key_encoding(keys) == "json":
-                raise TreepackError(f"{path}: the {what} mix strings and integers, which a Parquet column can not "
-                                    "hold; write .jsonl instead")
+                raise TreepackError(f"{path}: the {what} mix strings and integers (or exceed int64), which a Parquet "
+                                    "column can not hold; write .jsonl instead")
         pq.write_table(to_arrow(r), path, compression="zstd")
         return
     with contextlib.ExitStack() as stack:

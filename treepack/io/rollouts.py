@@ -20,6 +20,7 @@ from treepack.io.extras import Extras
 TOKEN_ALIASES = ("input_ids", "tokens", "token_ids")
 GROUP_ALIASES = ("tree_id", "group_id")
 INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # JSON integers have no bounds; steps, int ids and shards do
 
 Progress = Callable[[int], None]  # called with the number of input bytes just consumed
 
