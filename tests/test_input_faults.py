@@ -121,6 +121,14 @@ def test_json_array_file_is_read_as_records(tmp_path):
                                   "'token_ids'); found fields: 'task_id', 'traj'\n"))
 
 
+def test_byte_order_mark_is_not_data(tmp_path):
+    """Windows editors start UTF-8 files with a BOM: a JSON array and JSONL read as without it."""
+    for name, text in (("a.json", json.dumps(RECORDS[:3], indent=1)), ("a.jsonl", jsonl_bytes(RECORDS[:3]).decode())):
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+        assert read_rollouts(path).ids == ["r0", "r1", "r2"]
+
+
 def test_broken_json_array(tmp_path):
     path = tmp_path / "a.json"
     path.write_text('[{"input_ids": [1]},\n {"input_ids": [2]')

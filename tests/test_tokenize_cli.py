@@ -202,6 +202,15 @@ def test_a_bad_record_is_one_line_naming_file_line_and_field(tok_dir, tmp_path, 
     assert skip.err.startswith(f"skipped 1 bad record(s): 1 {reason}\n  {src}: line 2: {message}")
 
 
+@pytest.mark.parametrize("name", ["c.json", "c.jsonl"])
+def test_byte_order_mark_is_not_data(tok_dir, tmp_path, name):
+    src = tmp_path / name
+    text = json.dumps([{"messages": CONV}]) if name.endswith(".json") else json.dumps({"messages": CONV}) + "\n"
+    src.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    res = run("tokenize", src, "--tokenizer", tok_dir, "-o", tmp_path / "t.jsonl", "--json")
+    assert (res.code, json.loads(res.out)["conversations"]) == (0, 1)
+
+
 def test_parquet_rows_malformed_json_and_usage_errors(tok_dir, tmp_path):
     pq.write_table(pa.table({"messages": [json.dumps(CONV), json.dumps([{"role": "user"}])]}), tmp_path / "c.parquet")
     res = run("tokenize", tmp_path / "c.parquet", "--tokenizer", tok_dir)

@@ -316,7 +316,7 @@ def iter_raw(path: str) -> Iterator[Raw]:
         data = f.read()
     size = len(data) if path == "-" else Path(path).stat().st_size
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte order mark (Windows editors write one) is not JSON
     except UnicodeDecodeError as exc:
         yield (f"byte {exc.start}", 0, RecordError("malformed JSON", "not UTF-8"), size)
         return

@@ -20,6 +20,7 @@ keeps the records before the break with ``--on-error skip`` (counted as one ``tr
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
@@ -170,8 +171,9 @@ class JsonRecord:
 
 
 def _is_array_file(path: str, first_block: bytes) -> bool:
-    """A ``.json``/``.json.gz`` file whose first non-blank character is ``[`` holds an array of records."""
-    return path.endswith((".json", ".json.gz")) and first_block.lstrip()[:1] == b"["
+    """A ``.json``/``.json.gz`` file whose first non-blank character (after a UTF-8 byte order mark, which
+    ``json.loads`` of bytes skips) is ``[`` holds an array of records."""
+    return path.endswith((".json", ".json.gz")) and first_block.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"["
 
 
 def iter_json_records(path: str, *, progress: Progress | None = None, parse: bool = True) -> Iterator[JsonRecord]:
