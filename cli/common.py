@@ -1,7 +1,8 @@
 """What every command shares: error mapping, consoles, size options.
 
-Library errors (``TreepackError``) become ``Error: <message>`` on stderr and exit 1; usage errors are
-typer's (exit 2). Commands never print tracebacks for bad input.
+Library errors (``TreepackError``) and the system's (``OSError``: ``FILE: Permission denied``) become
+``Error: <message>`` on stderr and exit 1; usage errors are typer's (exit 2). Commands never print
+tracebacks for bad input.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def handle_errors(fn: F) -> F:
         except BrokenPipeError:  # `treepack stats ... | head`
             sys.stderr.close()
             raise typer.Exit(0) from None
+        except OSError as exc:  # what the system refuses: an output under a file, no permission, a full disk
+            raise fail(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)) from None
 
     return wrapper  # type: ignore[return-value]
 

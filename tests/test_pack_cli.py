@@ -111,6 +111,10 @@ def test_output_errors(small, tmp_path):
     assert (r.code, r.err) == (1, f"Error: {tmp_path / 'f'}: exists and is not a directory\n")
     r = run("unpack", tmp_path, "-o", tmp_path / "x.jsonl")
     assert (r.code, r.err) == (1, f"Error: {tmp_path}: no manifest.json (not a directory written by `treepack pack`)\n")
+    for args in (("pack", small, "--capacity", "64", "-o", tmp_path / "f" / "p"),
+                 ("unpack", tmp_path / "p", "-o", tmp_path / "f" / "x.jsonl")):  # under a file: the system refuses
+        r = run(*args, "-q")
+        assert (r.code, r.err) == (1, f"Error: {args[-1]}: Not a directory\n")
     r = run("unpack", tmp_path / "p", "-o", tmp_path / "x.csv")
     assert r.code == 2 and r.err.rstrip().endswith(
         f"Error: Invalid value for --output: '{tmp_path / 'x.csv'}': expected a .jsonl, .jsonl.gz or .parquet file, or -")
