@@ -120,6 +120,11 @@ def test_parquet_errors_name_the_row(tmp_path):
     pq.write_table(pa.table({"input_ids": pa.array([[1.5]])}), tmp_path / "float.parquet")
     with pytest.raises(InputError, match=r"field 'input_ids' must be a list of integers, got list<element: double>"):
         read_rollouts(tmp_path / "float.parquet")
+    nulls = pa.table({"input_ids": [[1, 2], [3, 4]], "loss_mask": pa.array([[1, 0], [1, None]], pa.list_(pa.int8()))})
+    pq.write_table(nulls, tmp_path / "nulls.parquet")
+    with pytest.raises(InputError) as exc:
+        read_rollouts(tmp_path / "nulls.parquet")
+    assert str(exc.value) == f"{tmp_path / 'nulls.parquet'}: row 1: field 'loss_mask'[1] must be 0 or 1, got null"
     steps = pa.table({"input_ids": [[1], [2]], "step": pa.array([1, 2**63], pa.uint64())})
     pq.write_table(steps, tmp_path / "steps.parquet")
     with pytest.raises(InputError) as exc:

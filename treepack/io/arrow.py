@@ -139,7 +139,8 @@ def _ingest_table(
             def msg(r):
                 seg = m[offs[r] : offs[r + 1]]
                 j = int(np.flatnonzero((seg != 0) & (seg != 1))[0])
-                return f"field 'loss_mask'[{j}] must be 0 or 1, got {seg[j]}"
+                null = vals.null_count and vals[int(offs[r]) + j].as_py() is None  # filled with 2 above
+                return f"field 'loss_mask'[{j}] must be 0 or 1, got {'null' if null else seg[j]}"
 
             row_problem("bad loss_mask", rows, msg)
         return m.astype(np.uint8) if builder.keep_token_fields else None
