@@ -74,7 +74,8 @@ def train(
     if rank != "0":
         return
     if result.first_step > result.last_step:
-        console.print(f"nothing to do: {result.output_dir} already holds step {result.last_step}", markup=False)
+        # the step the checkpoint holds, which may be past train.steps (a run resumed with fewer steps)
+        console.print(f"nothing to do: {result.output_dir} already holds step {result.first_step - 1}", markup=False)
     else:
         console.print(f"saved {result.output_dir / 'checkpoint'} (step {result.last_step})", markup=False)
 

@@ -262,6 +262,8 @@ def test_resume_continues_the_same_run(tmp_path):
     assert b == pytest.approx(a, rel=1e-12)
     r = run("train", part)
     assert r.out.splitlines()[-1] == f"nothing to do: {tmp_path / 'part'} already holds step 4"
+    r = run("train", part, "--steps", "2")  # fewer steps than the checkpoint holds: it names the step it holds
+    assert r.out.splitlines()[-1] == f"nothing to do: {tmp_path / 'part'} already holds step 4"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
