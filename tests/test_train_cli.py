@@ -321,6 +321,32 @@ def test_a_failing_step_still_logs_the_step_before(tmp_path, monkeypatch):
     assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3]
 
 
+def test_resume_after_a_failure_records_each_step_once(tmp_path, monkeypatch):
+    """A run stopped after its last checkpoint logged steps it runs again on resume: metrics.jsonl keeps
+    one line per step, the resumed run's."""
+    real = loop.step_batch
+
+    def failing(step, *args):
+        if step == 3:
+            raise RuntimeError("out of memory, say")
+        return real(step, *args)
+
+    monkeypatch.setattr(loop, "step_batch", failing)
+    cfg = load_config(write_config(tmp_path, steps=5, output_extra="save_every = 2"))
+    with pytest.raises(RuntimeError, match="out of memory, say"):
+        loop.train(cfg, log=lambda line: None)
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3]
+    monkeypatch.setattr(loop, "step_batch", real)
+    loop.train(cfg, log=lambda line: None)
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
+
+
+def test_metrics_file_in_a_subdirectory(tmp_path):
+    r = run("train", write_config(tmp_path, steps=1, output_extra="metrics = 'logs/metrics.jsonl'"))
+    assert r.code == 0, r.err
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "logs" / "metrics.jsonl").open()] == [1]
+
+
 # --------------------------------------------------------------------------------------------------
 # verify
 

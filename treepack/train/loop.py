@@ -324,6 +324,28 @@ def _mem_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
+def open_metrics(path: Path, start: int):
+    """``metrics.jsonl`` opened for appending the steps after ``start`` (0: a new file). Lines of later steps
+    are dropped first: a run that stopped after its last checkpoint had logged steps it now runs again."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not start:
+        return open(path, "w")
+    if path.is_file():
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _logged_step(line) <= start]
+        if len(kept) < len(lines):
+            path.write_text("".join(kept))
+    return open(path, "a")
+
+
+def _logged_step(line: str) -> float:
+    """The step of one metrics line; a line cut short by a killed run counts as past every checkpoint."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return math.inf
+
+
 def train(
     cfg: RunConfig,
     *,
@@ -369,7 +391,7 @@ def train(
         log(f"resumed from {out_dir / 'checkpoint'} at step {start}")
     metrics_file = None
     if cfg.output.metrics:  # closed in the finally below (the loop body is too long for a with-block)
-        metrics_file = open(out_dir / cfg.output.metrics, "a" if start else "w")  # noqa: SIM115
+        metrics_file = open_metrics(out_dir / cfg.output.metrics, start)
     # 16-bit copies of the matrix weights, cast once a step instead of once a model call
     working = WorkingWeights(model, autocast_dtype) if applies(model, autocast_dtype) else None
     peak = _peak_flops(device) if autocast_dtype is not None else None
