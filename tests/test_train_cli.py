@@ -117,6 +117,17 @@ def test_missing_config_file(tmp_path, monkeypatch):
     assert (r.code, r.err) == (1, "Error: nope.toml: no such file\n")
 
 
+@pytest.mark.parametrize("attention,reason", [
+    ("triton", "the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got cpu"),
+    ("fa4", "the fa4 backend needs CUDA tensors, got cpu"),
+])
+def test_a_named_kernel_that_cannot_run_stops_before_the_first_step(tmp_path, monkeypatch, attention, reason):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    r = run("train", write_config(tmp_path, dtype="float32", extra=f"attention = '{attention}'\n"))
+    assert (r.code, r.out) == (1, "")
+    assert r.err == f"Error: train.attention = '{attention}': {reason}\n"
+
+
 def test_example_config_is_the_defaults():
     r = run("train", "--example-config")
     assert r.code == 0 and r.out == EXAMPLE_CONFIG

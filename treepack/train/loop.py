@@ -216,6 +216,20 @@ def build_model(cfg: RunConfig, packs: list[Pack], device: torch.device, dtype: 
     return model
 
 
+def check_attention(impl: str, model: Decoder, device: torch.device, dtype: torch.dtype) -> None:
+    """A named kernel that cannot run here (triton or fa4 on a CPU, fa4 in float32, ...) stops the run before
+    its first step with the kernel's own reason, instead of a traceback from inside that step."""
+    if impl not in ("triton", "fa4"):
+        return
+    from treepack.kernels.tree_attention.api import triton_unsupported_reason
+    from treepack.kernels.tree_attention.fa4 import fa4_unsupported_reason
+
+    query = torch.empty(0, model.args.num_heads, model.args.head_dim, device=device, dtype=dtype)
+    reason = (fa4_unsupported_reason if impl == "fa4" else triton_unsupported_reason)(query)
+    if reason is not None:
+        raise ConfigError(f"train.attention = '{impl}': {reason}")
+
+
 def make_optimizer(model: Decoder, cfg: RunConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not on norms and biases).
 
@@ -375,6 +389,7 @@ def train(
         packs, original_ids = compact_vocab(packs)
         (out_dir / "vocab.json").write_text(json.dumps({"original_ids": original_ids.tolist()}) + "\n")
     model = build_model(cfg, packs, device, param_dtype)
+    check_attention(cfg.train.attention, model, device, autocast_dtype or param_dtype)
     optimizer = make_optimizer(model, cfg)
     objective = Objective(kind=cfg.train.loss.kind, normalization=cfg.train.loss.normalization,
                           clip_low=cfg.train.loss.clip_low, clip_high=cfg.train.loss.clip_high,
