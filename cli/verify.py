@@ -121,7 +121,7 @@ def verify(
     normalization: str = typer.Option("token", "--normalization", help="token | sequence."),
     packs: int = typer.Option(1, "--packs", help="Verify the first N packs (0 = all)."),
     capacity: str = typer.Option("16k", "--capacity", help="Pack capacity when packing rollout files."),
-    attention: str = typer.Option("auto", "--attention", help="Tree kernel: auto | reference | flex | triton."),
+    attention: str = typer.Option("auto", "--attention", help="Tree kernel: auto | reference | flex | triton | fa4."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random model (and of synthetic advantages)."),
     micro_batch_tokens: str = typer.Option("0", "--micro-batch-tokens", help="dense modes: most tokens forwarded at once (0 = each pack's size)."),
@@ -155,6 +155,10 @@ def verify(
         make_mode(m, **mode_options)  # unknown modes and bad options fail here, before any work
     check_choice(baseline, BASELINES, "--baseline")
     check_choice(dtype, DTYPES, "--dtype")
+    check_choice(attention, ("auto", "reference", "flex", "triton", "fa4"), "--attention")
+    check_choice(device, ("cpu", "cuda"), "--device")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter("CUDA is not available", param_hint="--device")
     if loss not in ("sft", "grpo"):
         raise typer.BadParameter("must be sft or grpo", param_hint="--loss")
 

@@ -385,6 +385,17 @@ def test_verify_cli_errors(tmp_path):
     for option in ("--capacity", "--micro-batch-tokens"):  # usage errors, as in pack and stats: exit 2
         r = run("verify", data, option, "-5")
         assert r.code == 2 and f"Invalid value for {option}: invalid " in r.err and "'-5'" in r.err
+    r = run("verify", data, "--attention", "fast")  # before any work, not a FAIL row after it
+    assert r.code == 2 and r.out == ""
+    assert "Invalid value for --attention: must be one of auto, reference, flex, triton, fa4, got 'fast'" in r.err
+    r = run("verify", data, "--device", "gpu")
+    assert r.code == 2 and "Invalid value for --device: must be one of cpu, cuda, got 'gpu'" in r.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
+def test_verify_on_cuda_without_cuda(tmp_path):
+    r = run("verify", write_rollouts(tmp_path / "r.jsonl"), "--device", "cuda")
+    assert r.code == 2 and r.out == "" and "Invalid value for --device: CUDA is not available" in r.err
 
 
 def _corrupt_shard(directory: Path, column: str) -> None:
