@@ -85,6 +85,8 @@ def metrics(run_dir: Path) -> list[dict]:
     ("[data]\nshards = 'p'\n[train.loss]\nkind = 'sft'\nclip_hihg = 0.3\n",
      "config.toml: unknown key 'train.loss.clip_hihg' (did you mean 'train.loss.clip_high'?)"),
     ("[data]\nshards = 'p'\n[modle]\n", "config.toml: unknown key 'modle' (did you mean 'model'?)"),
+    ("[data]\nshards = 'p'\n[train.loss]\nkind = 'grpo'\nsteps = 3\n",  # a key under the table above it
+     "config.toml: unknown key 'train.loss.steps' (did you mean 'train.steps'?)"),
     ("[data]\nshards = 'p'\n[train]\nlr = 'fast'\n", "config.toml: train.lr must be a number, got 'fast'"),
     ("[data]\nshards = 'p'\n[train]\nsteps = true\n", "config.toml: train.steps must be an integer, got true"),
     ("[data]\nshards = 'p'\n[train]\nsteps = 0\n", "config.toml: train.steps must be > 0, got 0"),

@@ -312,7 +312,9 @@ def _unknown_keys(cls, data: dict, prefix: str = "") -> list[str]:
         full = prefix + key
         if key not in names:
             here = [prefix + n for n in names]
-            guess = difflib.get_close_matches(full, here, n=1, cutoff=0.6) or difflib.get_close_matches(
+            # the same name in another table first: a key written below the wrong [table] header
+            guess = [k for k in _all_keys(RunConfig) if k.rsplit(".", 1)[-1] == key][:1]
+            guess = guess or difflib.get_close_matches(full, here, n=1, cutoff=0.6) or difflib.get_close_matches(
                 full, _all_keys(RunConfig), n=1, cutoff=0.6
             )
             hint = f" (did you mean '{guess[0]}'?)" if guess else f" (valid keys: {', '.join(sorted(here))})"
