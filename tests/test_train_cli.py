@@ -113,6 +113,15 @@ def test_config_errors(tmp_path, monkeypatch, body, message):
         assert r.err == f"Error: {message}\n"
 
 
+def test_checkpoint_that_is_no_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("file").write_text("")
+    for checkpoint, what in (("nope", "no such directory"), ("file", "not a directory")):
+        Path("config.toml").write_text(f"[model]\ncheckpoint = '{checkpoint}'\n[data]\nshards = 'p'\n")
+        r = run("train", "config.toml")
+        assert (r.code, r.out, r.err) == (1, "", f"Error: config.toml: model.checkpoint: {what}: {checkpoint}\n")
+
+
 def test_missing_config_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = run("train", "nope.toml")

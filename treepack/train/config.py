@@ -377,7 +377,12 @@ def load_config(path: str | Path) -> RunConfig:
         raise ConfigError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read ({exc})") from None
-    return parse_config(text, source=str(path), base_dir=p.parent)
+    cfg = parse_config(text, source=str(path), base_dir=p.parent)
+    checkpoint = Path(cfg.model.checkpoint)
+    if cfg.model.checkpoint and not checkpoint.is_dir():  # else the loader's "no config.json" misleads
+        what = "not a directory" if checkpoint.exists() else "no such directory"
+        raise ConfigError(f"{path}: model.checkpoint: {what}: {cfg.model.checkpoint}")
+    return cfg
 
 
 EXAMPLE_CONFIG = """\
