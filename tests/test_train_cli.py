@@ -272,6 +272,14 @@ def test_grpo_without_a_reward_stops_before_the_first_step(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_grpo_kl_without_behaviour_logprobs_is_refused(tmp_path):
+    """The KL is to the data's behaviour log-probs: without any it is 0 and kl_coef would do nothing."""
+    r = run("train", write_config(tmp_path, steps=1, extra="[train.loss]\nkind = 'grpo'\nkl_coef = 0.04\n"))
+    assert (r.code, r.out) == (1, "")
+    assert r.err == ("Error: train.loss.kl_coef = 0.04 needs behaviour log-probs ('logprobs' of the records), "
+                     "which the data have none of: the KL to them would be 0\n")
+
+
 def test_resume_continues_the_same_run(tmp_path):
     full = write_config(tmp_path, steps=4, out="full")
     assert run("train", full).code == 0

@@ -378,6 +378,10 @@ def train(
         raise ConfigError("the data section yields no packs")
     if cfg.train.loss.kind == "grpo":
         check_rewards(packs, where)
+        kl = cfg.train.loss.kl_coef
+        if kl > 0 and all(LossRows.from_pack(p).behaviour_logp_R is None for p in packs):
+            raise ConfigError(f"train.loss.kl_coef = {kl:g} needs behaviour log-probs ('logprobs' of the records), "
+                              "which the data have none of: the KL to them would be 0")
     if cfg.data.packs_per_step > len(packs):
         raise ConfigError(f"data.packs_per_step ({cfg.data.packs_per_step}) exceeds the packs in the data "
                           f"({len(packs)})")
