@@ -243,6 +243,49 @@ def test_cli_nproc_errors(tmp_path):
     assert r.code == 2 and "--nproc" in r.err and "must be >= 1, got 0" in r.err
 
 
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """A gloo process group of one rank in this process (what torchrun --nproc-per-node 1 sets up)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    dist.init_process_group("gloo")
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_data_parallel_loop_checks_as_the_plain_one(tmp_path, one_rank_group):
+    """Before any step: a kernel that cannot run here, a KL without behaviour log-probs. On resume, metrics
+    lines logged after the checkpoint are dropped (a subdirectory path works)."""
+    from treepack.errors import ConfigError
+    from treepack.train.parallel import train_distributed
+
+    write_rollouts(tmp_path / "rollouts.jsonl")
+    config = write_config(tmp_path, "tree", steps=2, out="dp", save_every=1)
+    text = config.read_text()
+    config.write_text(text.replace('device = "cpu"', 'device = "cpu"\nattention = "triton"'))
+    with pytest.raises(ConfigError, match=r"train.attention = 'triton': the triton backend needs CUDA tensors"):
+        train_distributed(load_config(config), log=lambda line: None)
+    config.write_text(text.replace("[output]", "[train.loss]\nkind = 'grpo'\nkl_coef = 0.1\n\n[output]"))
+    with pytest.raises(ConfigError, match=r"train.loss.kl_coef = 0.1 needs behaviour log-probs"):
+        train_distributed(load_config(config), log=lambda line: None)
+    config.write_text(text.replace("save_every = 1", "save_every = 1\nmetrics = 'logs/m.jsonl'"))
+    train_distributed(load_config(config), log=lambda line: None)
+    metrics = tmp_path / "dp" / "logs" / "m.jsonl"
+    with metrics.open("a") as f:  # as if a run had logged step 3 and been killed before its checkpoint
+        f.write(metrics.read_text().splitlines(keepends=True)[-1].replace('"step": 2', '"step": 3') + '{"step"')
+    config.write_text(config.read_text().replace("steps = 2", "steps = 4"))
+    train_distributed(load_config(config), log=lambda line: None)
+    assert [json.loads(line)["step"] for line in metrics.open()] == [1, 2, 3, 4]
+
+
 def test_one_rank_runs_the_plain_loop_ops(tmp_path, monkeypatch):
     """World size 1 under torchrun is not sharded: over two steps it dispatches exactly the plain loop's
     aten ops, plus the one all-gather per step of the step's numbers and its two host reads of them."""

@@ -43,7 +43,7 @@ from treepack.train.checkpoint import has_checkpoint, load_checkpoint, save_chec
 from treepack.train.collector import Pauses, freeze_warmup, thaw
 from treepack.train.config import RunConfig
 from treepack.train.data import batch_indices, compact_vocab, data_where, load_packs
-from treepack.train.losses import BatchTotals, LossRows, Objective, check_rewards, group_advantages
+from treepack.train.losses import BatchTotals, LossRows, Objective, check_grpo_data, group_advantages
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import Mode, make_mode
 from treepack.train.modes.auto import AutoMode, SpeedTable
@@ -377,11 +377,7 @@ def train(
     if not packs:
         raise ConfigError("the data section yields no packs")
     if cfg.train.loss.kind == "grpo":
-        check_rewards(packs, where)
-        kl = cfg.train.loss.kl_coef
-        if kl > 0 and all(LossRows.from_pack(p).behaviour_logp_R is None for p in packs):
-            raise ConfigError(f"train.loss.kl_coef = {kl:g} needs behaviour log-probs ('logprobs' of the records), "
-                              "which the data have none of: the KL to them would be 0")
+        check_grpo_data(packs, cfg.train.loss.kl_coef, where)
     if cfg.data.packs_per_step > len(packs):
         raise ConfigError(f"data.packs_per_step ({cfg.data.packs_per_step}) exceeds the packs in the data "
                           f"({len(packs)})")

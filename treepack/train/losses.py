@@ -445,6 +445,16 @@ def check_rewards(packs: list[Pack], where: str = "") -> None:
                          f"needs one for every sequence ({missing:,} of {total:,} have neither)")
 
 
+def check_grpo_data(packs: list[Pack], kl_coef: float, where: str = "") -> None:
+    """Before the first step of a GRPO run: every sequence has a reward or an advantage (`check_rewards`), and a
+    KL penalty has the records' behaviour log-probs to compare with; without them it would compare the policy
+    with itself (0, no gradient) and the setting would do nothing."""
+    check_rewards(packs, where)
+    if kl_coef > 0 and all(LossRows.from_pack(p).behaviour_logp_R is None for p in packs):
+        raise ConfigError(f"train.loss.kl_coef = {kl_coef:g} needs behaviour log-probs ('logprobs' of the records), "
+                          "which the data have none of: the KL to them would be 0")
+
+
 def group_advantages(packs: list[Pack], eps: float = 1e-6) -> list[Pack]:
     """GRPO advantages for packs that have none: each sequence's reward minus its group's mean, over the
     group's std (+ eps), groups being ``tree_id`` within the given packs (one global batch). Packs that

@@ -52,12 +52,14 @@ from treepack.train.loop import (
     _peak_flops,
     build_mode,
     build_model,
+    check_attention,
     lr_at,
     make_optimizer,
+    open_metrics,
     resolve_precision,
     step_batch,
 )
-from treepack.train.losses import LossRows, Objective, check_rewards
+from treepack.train.losses import LossRows, Objective, check_grpo_data
 from treepack.train.modes.dfs import merge_work
 
 
@@ -123,7 +125,7 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
     if not packs:
         raise ConfigError("the data section yields no packs")
     if cfg.train.loss.kind == "grpo":
-        check_rewards(packs, where)
+        check_grpo_data(packs, cfg.train.loss.kl_coef, where)
     if cfg.data.packs_per_step > len(packs):
         raise ConfigError(f"data.packs_per_step ({cfg.data.packs_per_step}) exceeds the packs in the data "
                           f"({len(packs)})")
@@ -138,6 +140,7 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
             (out_dir / "vocab.json").write_text(json.dumps({"original_ids": original_ids.tolist()}) + "\n")
     dist.barrier()
     model = build_model(cfg, packs, device, param_dtype)
+    check_attention(cfg.train.attention, model, device, autocast_dtype or param_dtype)
     sharded = group.world_size > 1  # FSDP over one rank shards nothing: +21.8% step time on an H100
     if sharded:
         shard_model(model, group.mesh)  # float32 parameters gathered; bf16 under autocast, as one process
@@ -167,7 +170,7 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
         f"{'FSDP2' if sharded else 'one rank, not sharded'}, {precision}")
     metrics_file = None
     if cfg.output.metrics and group.rank == 0:
-        metrics_file = open(out_dir / cfg.output.metrics, "a" if start else "w")  # noqa: SIM115
+        metrics_file = open_metrics(out_dir / cfg.output.metrics, start)
     peak = _peak_flops(device) if autocast_dtype is not None else None
     stats_run: list[StepStats] = []
 
