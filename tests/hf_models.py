@@ -32,6 +32,10 @@ ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 16, "decoder_sparse_step": 1}),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # sliding layers whose window reaches attention only through the mask the model builds
+    "qwen2_moe-window": ("Qwen2MoeConfig", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2,
+                                            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                            "shared_expert_intermediate_size": 16}),
 }
 # What the model's own forward uses: sdpa, except soft-capped Gemma 2 (sdpa has no soft-cap)
 REFERENCE_ATTENTION = {"gemma2": "eager"}

@@ -70,6 +70,8 @@ class TreeMask:
     ``subtree_end_T`` (int32) is the mask; ``depth_T`` (int64) the position of each token, for sliding
     windows. ``calls`` counts the attention calls of the current forward (one per attention layer);
     ``probe`` is set by the self-check to compare every layer's output with per-sequence attention.
+    ``window`` is set on the `windowed` copies the mask function hands to layers whose model asked for a
+    sliding-window mask (``base``: the pack's mask, which counts the calls).
     """
 
     subtree_end_T: Tensor
@@ -79,6 +81,8 @@ class TreeMask:
     calls: int = 0
     probe: object | None = None  # treepack.hf.check.AttentionProbe during the self-check
     foreign: list = field(default_factory=list)  # descriptions of foreign masks seen (self-check only)
+    window: int | None = None
+    base: TreeMask | None = None
     _cache: dict = field(default_factory=dict)
 
     @classmethod
@@ -87,6 +91,17 @@ class TreeMask:
             raise TreeAttentionError(f"attention must be one of {', '.join(ATTENTION)}, got {impl!r}")
         max_depth = int(depth_T.max()) if depth_T.numel() else 0
         return cls(subtree_end_T.to(torch.int32), depth_T.to(torch.int64), impl, max_depth)
+
+    def windowed(self, window: int | None) -> TreeMask:
+        """This tree under a sliding window: some models (PhiMoE, Qwen2-MoE) pass their window only through
+        the mask they build, not as the attention function's ``sliding_window``."""
+        if window is None:
+            return self
+        key = ("window", int(window))
+        if key not in self._cache:
+            self._cache[key] = TreeMask(self.subtree_end_T, self.depth_T, self.impl, self.max_depth,
+                                        window=int(window), base=self)
+        return self._cache[key]
 
     @property
     def n_tokens(self) -> int:
@@ -139,9 +154,9 @@ def install(config) -> None:
 
 
 def tree_mask_function(*args, **kwargs):
-    """``AttentionMaskInterface`` entry: the active tree, whatever mask kind the model asked for (causal or
-    sliding: the window reaches the attention function as its ``sliding_window`` keyword); with no tree
-    active, the fallback implementation's mask."""
+    """``AttentionMaskInterface`` entry: the active tree, whatever mask kind the model asked for (causal, or
+    sliding: ``local_size`` is its window; chunked masks are Llama 4's, refused by name); with no tree active,
+    the fallback implementation's mask."""
     mask = _ACTIVE.get()
     if mask is None:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -151,7 +166,7 @@ def tree_mask_function(*args, **kwargs):
     q_length = kwargs.get("q_length")
     if isinstance(q_length, int) and q_length != mask.n_tokens:
         raise TreeAttentionError(f"the model asked for a mask over {q_length} queries; the tree has {mask.n_tokens}")
-    return mask
+    return mask.windowed(kwargs.get("local_size"))
 
 
 def _fallback_attention(module, *args, **kwargs):
@@ -180,7 +195,13 @@ def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, at
     """``AttentionInterface`` entry: query [1, H, T, E], key/value [1, K, T, E] -> ([1, T, H, E], None)."""
     active = _ACTIVE.get()
     if isinstance(attention_mask, TreeMask):
-        mask = attention_mask  # a tree forward, or a layer recomputed in backward (activation checkpointing)
+        # a tree forward, or a layer recomputed in backward (activation checkpointing)
+        mask = attention_mask.base or attention_mask
+        if sliding_window is None:
+            sliding_window = attention_mask.window
+        elif attention_mask.window not in (None, sliding_window):
+            raise TreeAttentionError(f"{type(module).__name__} passes sliding_window={sliding_window} beside a mask "
+                                     f"built with a window of {attention_mask.window}")
         if active is not None and active is not mask:
             raise TreeAttentionError("a layer received the tree mask of another pack than the one being forwarded")
     elif active is None:  # no tree: the model's previous implementation, untouched
@@ -201,7 +222,7 @@ def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, at
     if query.dim() != 4 or query.shape[0] != 1 or query.shape[2] != mask.n_tokens:
         raise TreeAttentionError(f"expected queries [1, H, {mask.n_tokens}, E], got {list(query.shape)}")
     mask.calls += 1
-    foreign = attention_mask is not mask
+    foreign = not isinstance(attention_mask, TreeMask) or (attention_mask.base or attention_mask) is not mask
     if foreign:
         what = _describe(attention_mask)
         if mask.probe is None:
