@@ -36,6 +36,13 @@ ARCHS = {
     "qwen2_moe-window": ("Qwen2MoeConfig", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2,
                                             "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                             "shared_expert_intermediate_size": 16}),
+    # MLA: value heads narrower than query/key heads; a router computed in x.type(torch.float32)
+    "deepseek_v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                                         "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                                         "topk_group": 1, "moe_intermediate_size": 16, "first_k_dense_replace": 1}),
+    # .view()s the attention output (needs it contiguous)
+    "jetmoe": ("JetMoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 8}),
 }
 # What the model's own forward uses: sdpa, except soft-capped Gemma 2 (sdpa has no soft-cap)
 REFERENCE_ATTENTION = {"gemma2": "eager"}

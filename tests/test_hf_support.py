@@ -113,6 +113,8 @@ def test_exact_float64_casts_integer_positions_to_float64():
         assert (a.dtype, b.dtype, (a @ b).dtype) == (torch.float64,) * 3
         assert pos.to(torch.float32).dtype == torch.float64
         assert pos.type_as(torch.zeros(1, dtype=torch.bfloat16)).dtype == torch.float64
+        assert inv.type(torch.float32).dtype == torch.float64  # DeepSeek's routers
+        assert inv.type(dtype=torch.float32).dtype == torch.float64
         assert pos.to("cpu").dtype == torch.int64 and pos.long().dtype == torch.int64
     assert pos.float().dtype == torch.float32  # outside the block, untouched
 

@@ -242,6 +242,11 @@ def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, at
     dev = q_THE.device.type
     common = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else v_TKE.dtype
     q_THE, k_TKE, v_TKE = q_THE.to(common), k_TKE.to(common), v_TKE.to(common)
+    Ev = v_TKE.shape[-1]
+    if Ev != E:  # MLA (DeepSeek V2/V3): value head dim != q/k's; zero columns change no score and no output
+        qk, v = (0, max(Ev - E, 0)), (0, max(E - Ev, 0))
+        pad = torch.nn.functional.pad
+        q_THE, k_TKE, v_TKE = pad(q_THE, qk), pad(k_TKE, qk), pad(v_TKE, v)
     if foreign:  # self-check only: run what the patched mask says, so the check measures the damage
         o_THE = _foreign_attention(q_THE, k_TKE, v_TKE, attention_mask, scale, softcap)
     else:
@@ -250,7 +255,8 @@ def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, at
     if mask.probe is not None:
         mask.probe.record(module, q_THE, k_TKE, v_TKE, o_THE, scale=scale, sliding_window=sliding_window,
                           softcap=softcap)
-    return o_THE[None], None
+    # contiguous as transformers' own implementations return it (JetMoE .view()s it)
+    return o_THE[None, ..., :Ev].contiguous(), None
 
 
 def tree_attention_any(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, mask: TreeMask, *, scale: float,

@@ -216,6 +216,8 @@ class exact_float64(torch.overrides.TorchFunctionMode):
                 return x.double()
             if func is torch.Tensor.type_as and args[1].dtype in _LOW_FLOATS:
                 return x.double()
+            if func is torch.Tensor.type and (args[1:2] or [kwargs.get("dtype")])[0] in _LOW_FLOATS:
+                return x.double()  # DeepSeek's routers: x.type(torch.float32)
             if func is torch.Tensor.to:
                 args = tuple(torch.float64 if isinstance(a, torch.dtype) and a in _LOW_FLOATS else a for a in args)
                 if kwargs.get("dtype") in _LOW_FLOATS:
