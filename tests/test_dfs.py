@@ -391,12 +391,43 @@ def test_dfs_equals_dense_on_a_forest_and_a_single_token(model):
         assert_same(*run(model, pack, "dfs", objective, dfs_block_size=block), *ref)
 
 
+
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_dfs_on_a_pack_without_loss_rows(model, kind):
+    """A pack that trains on nothing (masked out, or one-token sequences) in a batch whose other pack does:
+    dfs prunes every token, runs no call, and the batch's gradients equal dense's."""
+    idle = [rollouts_from([[1, 2, 3], [1, 2, 4]], masks=[[0, 0, 0], [0, 0, 0]], advantages=[1.0, -1.0]),
+            rollouts_from([[5], [6], [5]], advantages=[1.0, 0.5, -1.0])]
+    for r in idle:
+        packs = [build_pack(r), make_pack(random_sequences(3), 3)]
+        rows = [LossRows.from_pack(p) for p in packs]
+        totals = BatchTotals.of(rows)
+        objective = Objective(kind=kind)
+        grads = {}
+        for name, options in (("dense", {}), ("dfs", {}), ("dfs", {"dfs_block_size": 1, "dfs_subtree_calls": False})):
+            model.zero_grad(set_to_none=True)
+            losses = []
+            for p, row in zip(packs, rows):
+                out = make_mode(name, **options)(model, p, row, objective, totals)
+                out.backward()
+                losses.append(out.loss.item())
+            assert losses[0] == 0.0
+            grads[name, str(options)] = {n: q.grad.detach().clone() for n, q in model.named_parameters()}
+        ref = grads["dense", "{}"]
+        for key, g in grads.items():
+            for n, v in g.items():
+                assert (v - ref[n]).abs().max().item() <= TOL * max(ref[n].abs().max().item(), 1e-12), (key, n)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seqs=sequence_lists(max_seqs=8, max_len=12, vocab=3), block=st.sampled_from([1, 3, 0]),
        keep=st.sampled_from([0, 4]), kind=st.sampled_from(["sft", "grpo"]))
 def test_dfs_equals_dense_on_hypothesis_trees(model, seqs, block, keep, kind):
     pack = make_pack(seqs, len(seqs))
     if LossRows.from_pack(pack).n_rows == 0:
+        rows = LossRows.from_pack(pack)
+        out = make_mode("dfs", dfs_block_size=block)(model, pack, rows, Objective(kind=kind), BatchTotals.of([rows]))
+        assert out.loss.item() == 0.0 and out.logp_R.numel() == 0
         return
     objective = Objective(kind=kind)
     ref = run(model, pack, "dense", objective)

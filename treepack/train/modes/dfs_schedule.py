@@ -179,7 +179,7 @@ def tree_nodes(parent_T: np.ndarray) -> _Nodes:
     is_start_T = ~has_parent_T | (parent_T != index_T - 1)
     is_start_T[has_parent_T] |= n_children_T[parent_T[has_parent_T]] >= 2
     start_N = np.flatnonzero(is_start_T).astype(np.int64)
-    end_N = np.append(start_N[1:], T).astype(np.int64)
+    end_N = np.append(start_N[1:], T).astype(np.int64)[: start_N.shape[0]]  # no tokens: no nodes (nothing to end)
     parent_tok_N = parent_T[start_N]
     parent_N = np.where(parent_tok_N >= 0, np.searchsorted(start_N, parent_tok_N, side="right") - 1, -1)
     N = start_N.shape[0]
