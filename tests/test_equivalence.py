@@ -224,3 +224,20 @@ def test_verify_low_precision_rule(packs):
     assert report.ok, report.failures
     assert report.modes["tree"].ref_rel_grad_diff is not None
     assert report.modes["tree"].ref_rel_grad_diff <= 2 * report.modes["dense"].ref_rel_grad_diff + 1e-6
+
+
+def test_verify_loss_that_cancels_to_zero():
+    """On-policy GRPO with sequence-mean normalisation: the batch loss is -mean(A) = 0 in exact arithmetic
+    (advantages of mean 0), so each mode's loss is rounding of ~1e-17. That is no disagreement: the loss gap
+    is relative to the size of the loss's terms, not to the baseline's rounding of 0."""
+    rng = np.random.default_rng(0)
+    seqs, masks, history = [], [], []
+    for _ in range(5):  # turns of one conversation: each trains on its 4 answer tokens
+        history = history + rng.integers(0, VOCAB, 7).tolist()
+        seqs.append(list(history))
+        masks.append([0] * (len(history) - 4) + [1] * 4)
+    r = rollouts_from(seqs, masks=masks, advantages=[-2.0, -1.0, 0.0, 1.0, 2.0])
+    report = verify_packs([build_pack(r)], modes=("dense", "dense-leaf", "tree", "dfs"), loss="grpo",
+                          normalization="sequence", mode_options={"dfs_block_size": 1})
+    assert report.ok, report.failures
+    assert all(abs(m.loss) < 1e-15 for m in report.modes.values())

@@ -6,9 +6,10 @@ the gradients of every parameter are compared with the baseline (``dense``, or `
 packs; the mean uses ``mean|g_mode - g_base| / max|g_base|``; the denominator is floored at 1e-6 x the
 largest gradient of the pack so that a parameter whose true gradient is 0 compares rounding noise with
 the model's gradient scale, not with itself), plus the largest |log-prob| difference of any (sequence,
-token) row and the loss. Tolerance: float64, 1e-9 relative (measured: ~1e-15 on real
-packs); lower precisions compare each mode's error against a higher-precision run of the baseline and
-pass when it is at most 2x the same-dtype baseline's error (plus a small band), the flash-attention rule.
+token) row and the loss (its gap relative to the baseline's ``sum_r w_r |loss_r|``: a GRPO loss's terms can
+cancel to 0). Tolerance: float64, 1e-9 relative (measured: ~1e-15 on real packs); lower precisions compare
+each mode's error against a higher-precision run of the baseline and pass when it is at most 2x the
+same-dtype baseline's error (plus a small band), the flash-attention rule.
 
 What makes a corrupted pack fail. Both baselines are rebuilt from the sequences' own fields
 (``seq_token_index`` into ``input_ids``, positions 0..L-1) and never read ``parent``/``subtree_end``/
@@ -250,6 +251,17 @@ def _scale_floor(grads: dict[str, torch.Tensor]) -> float:
     return max(GRAD_SCALE_FLOOR * top, 1e-300)
 
 
+def _loss_magnitude(objective: Objective, rows: LossRows, totals: BatchTotals, logp_R: torch.Tensor) -> float:
+    """``sum_r w_r |loss_r|`` of one pack's rows: the scale a loss gap is relative to (a sum's rounding is
+    relative to its terms). An on-policy GRPO loss sums advantages that cancel (group advantages have mean 0):
+    the batch loss is 0 in exact arithmetic and each mode's rounding, ~1e-17, is no error of the mode."""
+    t = objective.row_tensors(rows, totals, device=logp_R.device, dtype=logp_R.dtype)
+    logp_R = logp_R.to(t["weight_R"].dtype)
+    terms_R = -logp_R if objective.kind == "sft" else objective.grpo_row_loss(
+        logp_R, t["advantage_R"], t.get("behaviour_logp_R"), None)
+    return float((t["weight_R"] * terms_R.abs()).sum())
+
+
 def _grads(model: Decoder) -> dict[str, torch.Tensor]:
     return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
             for n, p in model.named_parameters()}
@@ -344,6 +356,7 @@ def verify_packs(
     total_steps, done = len(packs) * len(runs), 0
     rel_sums = {m: 0.0 for m in modes}
     rel_counts = {m: 0 for m in modes}
+    loss_magnitude = 0.0  # the baseline's sum_r w_r |loss_r| (`_loss_magnitude`)
 
     instances = {name: make_mode(baseline if name == "reference" else name,
                                  attention=None if name in (baseline, "reference") else attention,
@@ -375,6 +388,8 @@ def verify_packs(
                 reports[name].seconds += time.perf_counter() - t0
             done += 1
         dense = results.get(baseline)
+        if dense is not None:
+            loss_magnitude += _loss_magnitude(objective, row, totals, dense[1])
         for name in modes:
             res, rep = results.get(name), reports[name]
             if res is None or dense is None or name == baseline:
@@ -424,7 +439,7 @@ def verify_packs(
             if rep.max_rel_grad_diff > tolerance:
                 failures.append(f"{name}: gradients differ from {baseline} by {rep.max_rel_grad_diff:.3g} relative "
                                 f"(tolerance {tolerance:g}; worst {rep.worst_param})")
-            loss_gap = abs(rep.loss - dense_loss) / max(abs(dense_loss), 1e-300)
+            loss_gap = abs(rep.loss - dense_loss) / max(abs(dense_loss), loss_magnitude, 1e-300)
             if loss_gap > tolerance:
                 failures.append(f"{name}: loss differs from {baseline} by {loss_gap:.3g} relative")
     else:
