@@ -286,13 +286,11 @@ def test_the_data_parallel_loop_checks_as_the_plain_one(tmp_path, one_rank_group
     assert [json.loads(line)["step"] for line in metrics.open()] == [1, 2, 3, 4]
 
 
-def test_one_rank_runs_the_plain_loop_ops(tmp_path, monkeypatch):
+def test_one_rank_runs_the_plain_loop_ops(tmp_path, one_rank_group):
     """World size 1 under torchrun is not sharded: over two steps it dispatches exactly the plain loop's
     aten ops, plus the one all-gather per step of the step's numbers and its two host reads of them."""
     import collections
-    import socket
 
-    import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from treepack.train.parallel import train_distributed
@@ -306,26 +304,16 @@ def test_one_rank_runs_the_plain_loop_ops(tmp_path, monkeypatch):
             self.ops[str(func.overloadpacket)] += 1
             return func(*args, **(kwargs or {}))
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(key, value)
     write_rollouts(tmp_path / "rollouts.jsonl")
-    dist.init_process_group("gloo")
-    try:
-        ops = {}
-        for name, fn in (("plain", train), ("dp", train_distributed)):
-            counts = []
-            for steps in (1, 3):
-                cfg = load_config(write_config(tmp_path, "tree", steps=steps, out=f"{name}{steps}"))
-                with Count() as c:
-                    fn(cfg, log=lambda line: None)
-                counts.append(c.ops)
-            ops[name] = counts[1] - counts[0]  # steps 2 and 3 (the final save cancels out)
-    finally:
-        dist.destroy_process_group()
+    ops = {}
+    for name, fn in (("plain", train), ("dp", train_distributed)):
+        counts = []
+        for steps in (1, 3):
+            cfg = load_config(write_config(tmp_path, "tree", steps=steps, out=f"{name}{steps}"))
+            with Count() as c:
+                fn(cfg, log=lambda line: None)
+            counts.append(c.ops)
+        ops[name] = counts[1] - counts[0]  # steps 2 and 3 (the final save cancels out)
     assert ops["plain"] - ops["dp"] == collections.Counter()
     extra = ops["dp"] - ops["plain"]
     # the data-parallel loop reads its loss and gradient norm on the host at the step's end (two scalar reads a

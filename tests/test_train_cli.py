@@ -333,7 +333,8 @@ def test_grpo_clip_fraction_is_read_back_with_its_step(tmp_path, mode):
     assert any(f > 0 for f in fractions["later"])
 
 
-def test_a_failing_step_still_logs_the_step_before(tmp_path, monkeypatch):
+def fail_at_step_4(monkeypatch) -> None:
+    """The run's 4th step (index 3) raises before it runs, as an out-of-memory error would."""
     real = loop.step_batch
 
     def failing(step, *args):
@@ -342,6 +343,10 @@ def test_a_failing_step_still_logs_the_step_before(tmp_path, monkeypatch):
         return real(step, *args)
 
     monkeypatch.setattr(loop, "step_batch", failing)
+
+
+def test_a_failing_step_still_logs_the_step_before(tmp_path, monkeypatch):
+    fail_at_step_4(monkeypatch)
     cfg = load_config(write_config(tmp_path, steps=5))
     cfg.output.dir = str(tmp_path / "run")
     lines: list[str] = []
@@ -354,19 +359,12 @@ def test_a_failing_step_still_logs_the_step_before(tmp_path, monkeypatch):
 def test_resume_after_a_failure_records_each_step_once(tmp_path, monkeypatch):
     """A run stopped after its last checkpoint logged steps it runs again on resume: metrics.jsonl keeps
     one line per step, the resumed run's."""
-    real = loop.step_batch
-
-    def failing(step, *args):
-        if step == 3:
-            raise RuntimeError("out of memory, say")
-        return real(step, *args)
-
-    monkeypatch.setattr(loop, "step_batch", failing)
+    fail_at_step_4(monkeypatch)
     cfg = load_config(write_config(tmp_path, steps=5, output_extra="save_every = 2"))
     with pytest.raises(RuntimeError, match="out of memory, say"):
         loop.train(cfg, log=lambda line: None)
     assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3]
-    monkeypatch.setattr(loop, "step_batch", real)
+    monkeypatch.undo()  # step 4 runs again
     loop.train(cfg, log=lambda line: None)
     assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
 
