@@ -532,15 +532,21 @@ def test_peak_memory_follows_the_longest_path_not_the_tree(model):
 def test_config_accepts_dfs_and_checks_its_keys():
     base = '[data]\nshards = "p"\n[train]\nmode = "dfs"\n'
     cfg = parse_config(base + "dfs_block_size = 0\ndfs_keep_tokens = 4096\n")
-    assert (cfg.train.mode, cfg.train.dfs_block_size, cfg.train.dfs_keep_tokens) == ("dfs", 0, 4096)
+    assert (cfg.train.mode, cfg.train.dfs_block, cfg.train.dfs_keep_tokens) == ("dfs", 0, 4096)
+    assert parse_config(base).train.dfs_block == "auto"  # the default: sized from the GPU's memory
+    for text, block in (("8192", 8192), ('"8k"', 8000), ('"8K"', 8192), ('"auto"', "auto")):
+        assert parse_config(base + f"dfs_block_size = {text}\n").train.dfs_block == block
     assert cfg.train.dfs_subtree_calls and not parse_config(base + "dfs_subtree_calls = false\n").train.dfs_subtree_calls
     assert not make_mode("dfs", dfs_subtree_calls=False).subtree_calls
     assert parse_config(base + "dfs_merge_anchor_tokens = 0\n").train.dfs_merge_anchor_tokens == 0
     assert make_mode("dfs", dfs_merge_anchor_tokens=0).merge_anchor_tokens == 0
     with pytest.raises(ConfigError, match="train.dfs_merge_anchor_tokens must be >= 0"):
         parse_config(base + "dfs_merge_anchor_tokens = -1\n")
-    with pytest.raises(ConfigError, match="train.dfs_block_size must be >= 0"):
-        parse_config(base + "dfs_block_size = -1\n")
+    for bad in ("-1", '"big"', '"1.5k2"', "true"):
+        with pytest.raises(ConfigError, match="train.dfs_block_size"):
+            parse_config(base + f"dfs_block_size = {bad}\n")
+    with pytest.raises(ConfigError, match="dfs block size must be a number of tokens or 'auto', got 'big'"):
+        make_mode("dfs", dfs_block_size="big")
     with pytest.raises(ConfigError, match="train.dfs_order must be one of backward, layout"):
         parse_config(base + 'dfs_order = "bfs"\n')
     with pytest.raises(ConfigError, match="train.mode = 'dfs' needs auto"):

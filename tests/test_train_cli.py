@@ -296,6 +296,21 @@ def test_resume_continues_the_same_run(tmp_path):
     assert r.out.splitlines()[-1] == f"nothing to do: {tmp_path / 'part'} already holds step 4"
 
 
+def test_resume_applies_the_configs_adamw_settings_and_says_so(tmp_path):
+    """torch's optimizer loader takes the saved betas and weight decay; the config's win, the log says which
+    changed, and the next checkpoint holds them."""
+    assert run("train", write_config(tmp_path, steps=4, out="part"), "--steps", "2").code == 0
+    changed = write_config(tmp_path, steps=4, out="part", extra="beta2 = 0.99\nweight_decay = 0.1\n")
+    r = run("train", changed)
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[1] == ("resumed with the config's AdamW settings, not the checkpoint's: "
+                                     "train.beta2 0.95 -> 0.99, train.weight_decay 0 -> 0.1")
+    groups = json.loads((tmp_path / "part" / "checkpoint" / "trainer.json").read_text())["param_groups"]
+    assert [(g["betas"], g["weight_decay"]) for g in groups] == [([0.9, 0.99], 0.1), ([0.9, 0.99], 0.0)]
+    same = run("train", write_config(tmp_path, steps=6, out="part", extra="beta2 = 0.99\nweight_decay = 0.1\n"))
+    assert same.code == 0 and not any("AdamW settings" in line for line in same.out.splitlines())
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_a_step_read_back_during_the_next_one_logs_what_its_end_would(tmp_path, device):

@@ -166,7 +166,9 @@ class TrainConfig:
     # compiled layers: share of the saved activations the compiler may keep (1 = all it wants); below 1 it
     # recomputes cheap ops in backward instead: tau-bench dfs B=8192 on an H200, 0.7: 16.6 -> 13.1 GiB, 1.15x time
     activation_memory_budget: float = 1.0
-    dfs_block_size: int = 2048  # dfs: most tokens forwarded with grad in one call (0 = unlimited: a pack in one call)
+    # dfs: most tokens forwarded with grad in one call: auto (the largest the GPU's memory allows, printed at the
+    # start; treepack.train.modes.dfs_memory) | a size such as 8192 or "8k" | 0 (unlimited: a pack in one call)
+    dfs_block_size: str = "auto"
     dfs_keep_tokens: int = 0  # dfs: shared segments kept with their graph instead of re-forwarded (tokens; 0 = off)
     dfs_order: str = "backward"  # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout (the pack's)
     dfs_subtree_calls: bool = True  # dfs: pop subtrees that fit a block in one tree call (false: leaf by leaf)
@@ -191,7 +193,7 @@ class TrainConfig:
                 parse_size(self.micro_batch_tokens, what="train.micro_batch_tokens")
             except TreepackError as exc:
                 raise ConfigError(str(exc)) from None
-        _positive("train.dfs_block_size", self.dfs_block_size, zero_ok=True)
+        self.dfs_block  # noqa: B018 - validates train.dfs_block_size
         _positive("train.dfs_keep_tokens", self.dfs_keep_tokens, zero_ok=True)
         _positive("train.dfs_merge_anchor_tokens", self.dfs_merge_anchor_tokens, zero_ok=True)
         _one_of("train.dfs_order", self.dfs_order, DFS_ORDERS)
@@ -212,6 +214,23 @@ class TrainConfig:
         if not 0 < self.activation_memory_budget <= 1:
             raise ConfigError(f"train.activation_memory_budget must be in (0, 1], got {self.activation_memory_budget}")
         _positive("train.logits_chunk", self.logits_chunk)
+
+    @property
+    def dfs_block(self) -> int | str:
+        """``train.dfs_block_size`` as `DfsMode` takes it: "auto", or tokens (0: unlimited)."""
+        value = self.dfs_block_size
+        if value == "auto":
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 0:
+                raise ConfigError(f"train.dfs_block_size must be >= 0 or \"auto\", got {value}")
+            return value
+        if str(value).strip() == "0":
+            return 0
+        try:
+            return parse_size(value, what="train.dfs_block_size")
+        except TreepackError as exc:
+            raise ConfigError(f"{exc}, or \"auto\"") from None
 
     @property
     def micro_batch_token_count(self) -> int | None:
@@ -259,6 +278,11 @@ def _type_name(tp) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
+# keys that take a token count as an integer or a string such as "64K"
+SIZE_KEYS = {"data.capacity": 'a size such as 65536 or "64K"', "train.micro_batch_tokens": 'a size such as 32768 or "32K"',
+             "train.dfs_block_size": 'a size such as 8192 or "8K", or "auto"'}
+
+
 def _coerce(key: str, value, tp):
     """Check one TOML value against the annotated type (ints are fine where floats are expected)."""
     origin = typing.get_origin(tp)
@@ -277,12 +301,13 @@ def _coerce(key: str, value, tp):
         value = float(value) if ok else value
     elif tp is str:
         ok = isinstance(value, str)
-        if key in ("data.capacity", "train.micro_batch_tokens") and isinstance(value, int) and not isinstance(value, bool):
+        if key in SIZE_KEYS and isinstance(value, int) and not isinstance(value, bool):
             ok, value = True, str(value)  # capacity = 65536 as well as "64K"
     else:  # pragma: no cover - every field type is listed above
         raise TypeError(tp)
     if not ok:
-        raise ConfigError(f"{key} must be {_type_name(tp)}, got {_toml_repr(value)}")
+        what = SIZE_KEYS.get(key) or _type_name(tp)
+        raise ConfigError(f"{key} must be {what}, got {_toml_repr(value)}")
     return value
 
 
@@ -441,7 +466,7 @@ logits_chunk = 4096         # rows of full-vocabulary logits alive at a time
 activation_checkpointing = false
 compile = "auto"            # torch.compile norms/RoPE/SwiGLU/loss softmax: auto (on CUDA) | on | off
 activation_memory_budget = 1.0  # compiled layers keep this share of saved activations, recompute the rest (0, 1]
-dfs_block_size = 2048       # dfs: most tokens forwarded with grad at once (0 = unlimited); a tree that fits is one call
+dfs_block_size = "auto"     # dfs: most tokens forwarded with grad at once: auto (from the GPU's memory) | 8192 | 0 (unlimited)
 dfs_keep_tokens = 0         # dfs: shared segments kept with their graph instead of re-forwarded (0 = off)
 dfs_order = "backward"      # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout
 dfs_subtree_calls = true    # dfs: a subtree that fits a block is one tree call (false: AReaL-DTA, leaf by leaf)

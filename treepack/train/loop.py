@@ -47,7 +47,7 @@ from treepack.train.losses import BatchTotals, LossRows, Objective, check_grpo_d
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import Mode, make_mode
 from treepack.train.modes.auto import AutoMode, SpeedTable
-from treepack.train.modes.dfs import merge_work
+from treepack.train.modes.dfs import DfsMode, merge_work
 from treepack.train.working_weights import WorkingWeights, applies
 
 # Dense bf16 tensor-core datasheet peaks (FLOP/s) by device-name substring: MFU's fallback where measuring fails.
@@ -249,6 +249,30 @@ def make_optimizer(model: Decoder, cfg: RunConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused or None)
 
 
+def reapply_optimizer_settings(optimizer: torch.optim.AdamW, cfg: RunConfig) -> str | None:
+    """After a resume, the configured AdamW settings replace the checkpoint's (torch's ``load_state_dict`` takes
+    the saved groups' betas and weight decay); returns the log line naming what changed, if anything. The
+    learning rate is set every step from the schedule, so it is not listed."""
+    t = cfg.train
+    wanted = [{"betas": (t.beta1, t.beta2), "weight_decay": t.weight_decay}, {"betas": (t.beta1, t.beta2)}]
+    changed: dict[str, str] = {}
+    for group, settings in zip(optimizer.param_groups, wanted):
+        for key, value in settings.items():
+            old = group[key]
+            if key == "betas":
+                for name, a, b in (("beta1", old[0], value[0]), ("beta2", old[1], value[1])):
+                    if float(a) != float(b):
+                        changed[f"train.{name}"] = f"train.{name} {float(a):g} -> {float(b):g}"
+                group[key] = (float(value[0]), float(value[1]))
+            else:
+                if float(old) != float(value):
+                    changed[f"train.{key}"] = f"train.{key} {float(old):g} -> {float(value):g}"
+                group[key] = float(value)
+    if not changed:
+        return None
+    return f"resumed with the config's AdamW settings, not the checkpoint's: {', '.join(changed.values())}"
+
+
 def step_batch(step: int, packs: list[Pack], cfg: RunConfig, objective: Objective) -> list[Pack]:
     """The packs of one optimizer step (the same on every rank), with GRPO advantages over their groups."""
     batch = [packs[i] for i in batch_indices(step, len(packs), cfg.data.packs_per_step,
@@ -268,7 +292,7 @@ def build_mode(cfg: RunConfig) -> Mode:
     return make_mode(cfg.train.mode, attention=attention, chunk_rows=cfg.train.logits_chunk,
                      micro_batch_tokens=cfg.train.micro_batch_token_count,
                      speed_table=SpeedTable.load(cfg.train.speed_table) if cfg.train.speed_table else None,
-                     **({"dfs_block_size": cfg.train.dfs_block_size, "dfs_keep_tokens": cfg.train.dfs_keep_tokens,
+                     **({"dfs_block_size": cfg.train.dfs_block, "dfs_keep_tokens": cfg.train.dfs_keep_tokens,
                          "dfs_order": cfg.train.dfs_order, "dfs_subtree_calls": cfg.train.dfs_subtree_calls,
                          "dfs_merge_anchor_tokens": cfg.train.dfs_merge_anchor_tokens,
                          "dfs_cuda_graphs": cfg.train.dfs_cuda_graphs}
@@ -398,12 +422,17 @@ def train(
     if isinstance(mode, AutoMode):  # which mode runs each pack, and why
         for line in mode.describe(model, packs, [LossRows.from_pack(p) for p in packs], dtype=autocast_dtype):
             log(line)
+    if isinstance(mode, DfsMode) and mode.auto_block:  # how large its calls may be on this GPU, and why
+        log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
 
     start, losses = 0, []
     if cfg.output.resume and has_checkpoint(out_dir):
         state = load_checkpoint(out_dir, model, optimizer)
         start, losses = int(state["step"]), list(state.get("losses", []))
         log(f"resumed from {out_dir / 'checkpoint'} at step {start}")
+        notice = reapply_optimizer_settings(optimizer, cfg)
+        if notice:
+            log(notice)
     metrics_file = None
     if cfg.output.metrics:  # closed in the finally below (the loop body is too long for a with-block)
         metrics_file = open_metrics(out_dir / cfg.output.metrics, start)

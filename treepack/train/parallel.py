@@ -56,11 +56,12 @@ from treepack.train.loop import (
     lr_at,
     make_optimizer,
     open_metrics,
+    reapply_optimizer_settings,
     resolve_precision,
     step_batch,
 )
 from treepack.train.losses import LossRows, Objective, check_grpo_data
-from treepack.train.modes.dfs import merge_work
+from treepack.train.modes.dfs import DfsMode, merge_work
 
 
 class ProcessGroup:
@@ -154,6 +155,8 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
                           clip_low=cfg.train.loss.clip_low, clip_high=cfg.train.loss.clip_high,
                           kl_coef=cfg.train.loss.kl_coef)
     mode = build_mode(cfg)
+    if isinstance(mode, DfsMode) and mode.auto_block:  # sized for the whole model's state: errs small when sharded
+        log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
     flops = flop_model(model.args)
     accumulation = Accumulation(model)
     params = list(model.parameters())
@@ -163,6 +166,9 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
         state = load_distributed(out_dir, model, optimizer)
         start, losses = int(state["step"]), list(state.get("losses", []))
         log(f"resumed from {out_dir / 'checkpoint'} at step {start} (saved by {state.get('world_size', 1)} rank(s))")
+        notice = reapply_optimizer_settings(optimizer, cfg)
+        if notice:
+            log(notice)
     precision = str(param_dtype).removeprefix("torch.")
     if autocast_dtype is not None:
         precision = "bf16 autocast, float32 parameters and gradient reduction"

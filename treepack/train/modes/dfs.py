@@ -37,8 +37,8 @@ With ``cuda_graphs`` (`train.dfs_cuda_graphs`, `dfs_graphs`) a call shape met ag
 graph: the host queues a step in ~0.75 s of ~0.94, GPU-bound at 1.07x (exact shapes) to 1.12x (bucketed) tree
 mode, ~1.8 GiB more (2026-11-26-dfs-bwd-order-h100.md). Each call's FA4 backward order is chosen from its
 subtree ends on the host (the cached prefix's key blocks are the longest CTAs; `fa4.tail_share`).
-Prefer the largest block the memory allows: a smaller one anchors each leaf's tail beyond one block and
-adds calls (B=6144: 19 calls, 1.88 s; B=4096: 28 calls, 27% of the tokens anchored, 2.53 s on an H200;
+Prefer the largest block the memory allows (``block_size="auto"``, the `treepack train` default, plans it per pack
+from the GPU's memory: `dfs_memory`): a smaller one anchors each leaf's tail beyond one block and adds calls (B=6144: 19 calls, 1.88 s; B=4096: 28 calls, 27% of the tokens anchored, 2.53 s on an H200;
 2026-11-25-dfs-host-bound-h200.md); where memory is short, ``train.activation_memory_budget`` below 1 lets
 the compiled layers recompute instead of saving, which costs less than a smaller block; a larger block at
 a lower budget makes fewer calls (B=16384 at 0.4: 6 calls) but needed 17.27 GiB.
@@ -62,6 +62,7 @@ from treepack.train.losses import BatchTotals, LossRows, Objective, target_logpr
 from treepack.train.model import Decoder
 from treepack.train.modes.base import LayoutError, Mode, ModeResult, row_dtype
 from treepack.train.modes.dfs_graphs import CallGraphs, call_scalars, padded_inputs, unsupported_reason
+from treepack.train.modes.dfs_memory import CPU_BLOCK, BlockPlan, available_bytes, longest_path, plan_block
 from treepack.train.modes.dfs_schedule import (
     MERGE_ANCHOR_TOKENS,
     ORDERS,
@@ -256,15 +257,21 @@ class DfsMode(Mode):
 
     name = "dfs"
 
-    def __init__(self, attention: str = "auto", *, chunk_rows: int = 4096, block_size: int | None = 2048,
+    def __init__(self, attention: str = "auto", *, chunk_rows: int = 4096, block_size: int | str | None = 2048,
                  keep_tokens: int = 0, order: str = "backward", sft_fast_path: bool = True,
                  subtree_calls: bool = True, merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS,
                  merge_pops: bool = True, cuda_graphs: bool = False) -> None:
         if attention == "sdpa":
             raise ConfigError("attention 'sdpa' runs independent causal sequences; dfs mode needs a tree kernel "
                               "(auto, reference, flex or triton) for its cached prefix")
-        if block_size is not None and block_size < 0:
+        if block_size == "auto":
+            block_size, self.auto_block = None, True
+        elif isinstance(block_size, str):
+            raise ConfigError(f"dfs block size must be a number of tokens or 'auto', got {block_size!r}")
+        elif block_size is not None and block_size < 0:
             raise ConfigError(f"dfs block size must be >= 0 (0: unlimited), got {block_size}")
+        else:
+            self.auto_block = False
         if keep_tokens < 0:
             raise ConfigError(f"dfs keep tokens must be >= 0, got {keep_tokens}")
         if merge_anchor_tokens < 0:
@@ -282,6 +289,35 @@ class DfsMode(Mode):
         self.cuda_graphs = cuda_graphs
         self._graphs: CallGraphs | None = None  # kept across packs: the captured calls and their buffers
         self._graphs_off: str | None = None
+        self._available: int | None = None  # auto blocks: the memory this process could have, read once
+
+    def block_plan(self, model: Decoder, pack: Pack, compute_dtype: torch.dtype | None = None) -> BlockPlan | None:
+        """The auto block for ``pack`` and the figures behind it (`dfs_memory`); None unless the block is
+        auto and the model is on a GPU."""
+        if not self.auto_block or model.device.type != "cuda":
+            return None
+        if compute_dtype is None:
+            on = torch.is_autocast_enabled("cuda")
+            compute_dtype = torch.get_autocast_dtype("cuda") if on else model.dtype
+        if self._available is None:
+            self._available = available_bytes(model.device)
+        return plan_block(model, path_tokens=longest_path(pack), chunk_rows=self.chunk_rows,
+                          compute_dtype=compute_dtype, graphs=self.cuda_graphs, available=self._available,
+                          extra_tokens=self.merge_anchor_tokens + self.keep_tokens, most=int(pack.n_real))
+
+    def describe_block(self, model: Decoder, packs: list[Pack], compute_dtype: torch.dtype) -> str:
+        """The start line of an auto block: the block of the pack with the longest path and why (the other
+        packs' blocks are at least as large)."""
+        if model.device.type != "cuda":
+            return f'dfs: calls of up to {CPU_BLOCK:,} tokens (dfs_block_size = "auto" off a GPU)'
+        return self.block_plan(model, max(packs, key=longest_path), compute_dtype).line()
+
+    def block_for(self, model: Decoder | None, pack: Pack) -> int | None:
+        """Most tokens one call of ``pack`` forwards with grad (None: unlimited)."""
+        if not self.auto_block:
+            return self.block_size
+        plan = self.block_plan(model, pack) if model is not None else None
+        return plan.tokens if plan is not None else CPU_BLOCK
 
     def graphs_for(self, model: Decoder, schedule: Schedule) -> CallGraphs | None:
         """The CUDA graphs that run this pack's anchor and grad calls (None: they run eagerly; `dfs_graphs`)."""
@@ -309,12 +345,13 @@ class DfsMode(Mode):
                 g.inherit(*met)
         return g
 
-    def schedule(self, pack: Pack, rows: LossRows | None = None) -> Schedule:
-        """The traversal of ``pack`` (numpy only; no model needed). With ``rows``, subtrees whose tokens no
-        loss row reads are pruned (`needed_tokens`)."""
+    def schedule(self, pack: Pack, rows: LossRows | None = None, model: Decoder | None = None) -> Schedule:
+        """The traversal of ``pack`` (numpy only). With ``rows``, subtrees whose tokens no loss row reads are
+        pruned (`needed_tokens`); ``model`` sizes an auto block (none: ``CPU_BLOCK``)."""
         needed_T = None if rows is None else needed_tokens(pack, rows)
         try:
-            return plan(np.asarray(pack.parent[: pack.n_real]), needed_T=needed_T, block_size=self.block_size,
+            return plan(np.asarray(pack.parent[: pack.n_real]), needed_T=needed_T,
+                        block_size=self.block_for(model, pack),
                         keep_tokens=self.keep_tokens, order=self.order, subtree_calls=self.subtree_calls,
                         merge_anchor_tokens=self.merge_anchor_tokens, merge_pops=self.merge_pops)
         except ValueError as exc:
@@ -334,7 +371,7 @@ class _Traversal:
         self.dev = dev = model.device
         fast = mode.sft_fast_path and objective.kind == "sft"
         self.targets = _Targets(pack, rows, totals, objective, fast)
-        self.schedule = mode.schedule(pack, rows)
+        self.schedule = mode.schedule(pack, rows, model)
         self.targets.assign(self.schedule, int(pack.n_real))
         self.graphs = mode.graphs_for(model, self.schedule)
         rows_dtype = row_dtype(model)
