@@ -162,3 +162,15 @@ def test_global_totals_is_the_trainers_and_takes_rows():
     packs = pack_rollouts(rollouts(), 24)
     rows = [LossRows.from_pack(p) for p in packs]
     assert global_totals(rows) == BatchTotals.of(rows) == global_totals(BatchTotals.of(rows))  # no process group
+
+
+def test_a_sequence_over_the_capacity_names_the_argument_not_a_cli_flag():
+    from treepack.errors import CapacityError
+    from treepack.hf import token_logprobs
+
+    longest = max(len(s) for s in SEQS)
+    with pytest.raises(CapacityError, match="raise capacity, or pass capacity=None") as err:
+        list(PackDataset(rollouts(), capacity=longest - 1).packs())
+    assert "--oversize" not in str(err.value)
+    with pytest.raises(CapacityError, match="raise capacity, or pass capacity=None"):
+        token_logprobs(tiny_model("qwen3"), SEQS, capacity=longest - 1, check=False)

@@ -36,6 +36,9 @@ REFUSED = {
                               num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
                               layer_types=["sliding_attention", "full_attention"]),
                 "(model_type 'gpt_oss'): attention sinks"),
+    "doge": (lambda: build("DogeConfig", vocab_size=40, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1),
+             "DogeForCausalLM (model_type 'doge'): dynamic mask attention"),
     "bloom": (lambda: build("BloomConfig", vocab_size=40, hidden_size=32, n_layer=2, n_head=2),
               "BloomForCausalLM does not route attention through transformers' AttentionInterface"),
 }

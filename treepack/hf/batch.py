@@ -26,6 +26,9 @@ from treepack.errors import TreepackError
 from treepack.io.rollouts import Rollouts
 from treepack.pack.layout import Pack, build_pack
 
+# a sequence over the capacity: what a library caller can change (the CLI's hint names --oversize)
+CAPACITY_HINT = "raise capacity, or pass capacity=None to forward every sequence in one pack"
+
 # --------------------------------------------------------------------------------------------------
 # One pack as tensors
 
@@ -166,7 +169,7 @@ def plan_packs(arrays: list[np.ndarray], capacity: int | None) -> list[Pack]:
     else:
         from treepack.pack.strategies import pack_sequences
 
-        groups = pack_sequences(r, int(capacity)).packs
+        groups = pack_sequences(r, int(capacity), oversize_hint=CAPACITY_HINT).packs
     packs = []
     for g in groups:
         p = build_pack(r, g)

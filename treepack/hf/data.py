@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from treepack.errors import TreepackError
-from treepack.hf.batch import TreeBatch, as_token_arrays, rollouts_of
+from treepack.hf.batch import CAPACITY_HINT, TreeBatch, as_token_arrays, rollouts_of
 from treepack.io.rollouts import Rollouts
 from treepack.pack.layout import Pack, build_pack
 from treepack.train.distributed import rank_and_world
@@ -88,7 +88,7 @@ def pack_rollouts(r: Rollouts, capacity: int | None, *, strategy: str = "best") 
         return [build_pack(r)]
     from treepack.pack.strategies import pack_sequences
 
-    packing = pack_sequences(r, int(capacity), strategy=strategy)
+    packing = pack_sequences(r, int(capacity), strategy=strategy, oversize_hint=CAPACITY_HINT)
     return [build_pack(r, idx) for idx in packing.packs]
 
 

@@ -53,6 +53,8 @@ REFUSED = {
     "gemma3n": "Gemma 3n (AltUp, per-layer inputs, cross-layer KV sharing) is not verified with tree attention",
     "llama4": "Llama 4 (chunked attention layers and multimodal inputs)",
     "gpt_oss": "attention sinks (a learned per-head logit in every softmax) are not in treepack's tree kernels",
+    "doge": "dynamic mask attention (a learned bias from the values added to every score, keys masked by its "
+            "top-k) is not in treepack's tree kernels",
 }
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")

@@ -139,13 +139,15 @@ def pack_sequences(
     strategy: str = "best",
     group_by: str | None = None,
     oversize: str = "error",
+    oversize_hint: str = "use --oversize skip to drop such sequences",
     tree: PrefixTree | None = None,
 ) -> Packing:
     """Pack every sequence of ``rollouts`` into packs whose union trie has at most ``capacity`` tokens.
 
     ``group_by="tree_id"`` keeps each tree_id its own trie (no sharing across groups); sharing never crosses
     a ``step`` and neither do packs. ``oversize``: a sequence longer than ``capacity`` raises
-    ``CapacityError`` naming it (``"error"``) or is left out and counted (``"skip"``). ``tree`` reuses a
+    ``CapacityError`` naming it and ending with ``oversize_hint`` (``"error"``) or is left out and counted
+    (``"skip"``). ``tree`` reuses a
     PrefixTree already built from the same rollouts and ``group_by``.
     """
     if strategy not in STRATEGIES:
@@ -164,8 +166,7 @@ def pack_sequences(
         if oversize == "error":
             i = int(too_long[0])
             raise CapacityError(
-                f"{describe_sequence(rollouts, i)} has {int(lengths[i]):,} tokens > capacity {capacity:,}; "
-                "use --oversize skip to drop such sequences"
+                f"{describe_sequence(rollouts, i)} has {int(lengths[i]):,} tokens > capacity {capacity:,}; {oversize_hint}"
             )
         keep = np.setdiff1d(np.arange(n, dtype=np.int64), too_long)
         rollouts = rollouts.select(keep)
