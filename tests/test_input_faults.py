@@ -129,6 +129,15 @@ def test_byte_order_mark_is_not_data(tmp_path):
         assert read_rollouts(path).ids == ["r0", "r1", "r2"]
 
 
+def test_a_key_twice_in_a_json_array_record_is_that_records_error(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text('[{"input_ids": [1]}, {"input_ids": [2], "id": "x", "id": "y"}, {"input_ids": [3]}]')
+    with pytest.raises(InputError, match=r"a.json: record 2: key 'id' appears twice in one object$"):
+        read_rollouts(path)
+    r = read_rollouts(path, on_error="skip")
+    assert r.tokens.tolist() == [1, 3] and dict(r.skipped) == {"duplicate key": 1}
+
+
 def test_broken_json_array(tmp_path):
     path = tmp_path / "a.json"
     path.write_text('[{"input_ids": [1]},\n {"input_ids": [2]')
@@ -247,6 +256,9 @@ def test_duplicate_ids_are_reported(tmp_path):
     ('{"input_ids": [1, 2], "logprobs": [-0.5, [-0.25]]}', "field 'logprobs'[1] is not a finite number: [-0.25]"),
     ('{"tags": ["a"], "input_ids": [1, [2], 3]}', "field 'input_ids'[1] is not an integer: [2]"),
     ('{"input_ids": [[1], [2]], "meta": {"input_ids": [5]}}', "field 'input_ids'[0] is not an integer: [1]"),
+    # a key twice: json keeps the last value, simdjson the first; neither is the record
+    ('{"input_ids": [1, 2], "input_ids": [3]}', "key 'input_ids' appears twice in one object"),
+    ('{"input_ids": [1, 2], "meta": [{"a": 1, "a": 2}]}', "key 'a' appears twice in one object"),
 ])
 def test_fast_path_defers_to_the_precise_message(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
@@ -267,7 +279,8 @@ bad_or_good = st.one_of(
                                     "id": st.sampled_from(["a", 3, None, [1]]),
                                     "tree_id": st.sampled_from(["t", 0, None]),
                                     "tags": st.sampled_from([["x"], "[", {"input_ids": [1]}])}),
-    st.sampled_from(["[1, 2]", "not json", '{"input_ids": [1, 2.0]}', '{"tokens": [4, 5]}']),
+    st.sampled_from(["[1, 2]", "not json", '{"input_ids": [1, 2.0]}', '{"tokens": [4, 5]}',
+                     '{"input_ids": [1], "input_ids": [2]}', '{"input_ids": [3], "m": {"k": 1, "k": 1}}']),
 )
 
 

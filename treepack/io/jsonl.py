@@ -149,11 +149,55 @@ def json_error_text(exc: ValueError) -> str:
     return f"malformed JSON ({exc.msg}{at} {exc.colno})"
 
 
-def _loads(raw: bytes):
+class _Duplicated(dict):
+    """An object that named a key twice: Python keeps the last value, simdjson the first, so neither is the
+    record's; `duplicate_error` turns it into the record's error."""
+
+    __slots__ = ("key",)
+
+
+def _pairs(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) == len(pairs):
+        return d
+    seen: set = set()
+    out = _Duplicated(d)
+    out.key = next(k for k, _ in pairs if k in seen or seen.add(k))
+    return out
+
+
+def duplicate_error(value) -> _RecordError | None:
+    """The error of a parsed record holding an object with a key named twice, at any depth (None: none)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, _Duplicated):
+            return _RecordError("duplicate key", f"key '{v.key}' appears twice in one object")
+        if isinstance(v, dict):
+            stack.extend(x for x in v.values() if isinstance(x, (dict, list)))
+        elif isinstance(v, list):
+            stack.extend(x for x in v if isinstance(x, (dict, list)))
+    return None
+
+
+def _loads(raw: bytes, *, whole: bool = True):
+    """One JSON value; with ``whole`` (a line, one record) a key named twice anywhere in it is the record's
+    error; without (a file's array of records) each record is checked by `duplicate_error` later."""
+    found: list = []
+
+    def hook(pairs):
+        d = _pairs(pairs)
+        if type(d) is _Duplicated:
+            found.append(d)
+        return d
+
     try:
-        return json.loads(raw)
+        value = json.loads(raw, object_pairs_hook=hook)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise _RecordError("malformed JSON", json_error_text(exc)) from None
+    if found and whole:
+        raise duplicate_error(found[0])
+    return value
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,13 +241,14 @@ def _iter_json_records(path: str, progress, parse: bool, seen: list[int]) -> Ite
     if _is_array_file(path, first):
         text = first + b"".join(blocks)
         try:
-            values = _loads(text)
+            values = _loads(text, whole=False)
         except _RecordError as err:
             raise InputError(f"{path}: {err.message.replace('malformed JSON', 'not a valid JSON array', 1)}") from None
         if not isinstance(values, list):  # pragma: no cover - a text starting with "[" parses to a list
             raise InputError(f"{path}: expected a JSON array of records")
         for i, v in enumerate(values, start=1):
-            yield JsonRecord(f"record {i}", v)
+            err = duplicate_error(v)
+            yield JsonRecord(f"record {i}", None if err else v, error=err)
         return
     lineno = 0
     for block in _chain(first, blocks):
@@ -308,7 +353,8 @@ class _Reader:
         except Exception:  # noqa: BLE001 (malformed, NaN, huge numbers, ...: the precise path says what)
             raise _Slow from None
         try:
-            if not isinstance(obj, simdjson.Object):
+            # a key named twice (here, or in a nested object, which the precise path checks): the precise path
+            if not isinstance(obj, simdjson.Object) or len(set(obj.keys())) != len(obj) or raw.count(b"{") > 1:
                 raise _Slow
             tf = next((n for n in self.names if n in obj), None)
             if tf is None:
@@ -540,12 +586,15 @@ def read_json_file(path: str, name: str, tokens_field: str | None, on_error: str
 
 def _read_array(reader: _Reader, text: bytes) -> None:
     try:
-        values = _loads(text)
+        values = _loads(text, whole=False)
     except _RecordError as err:
         raise InputError(f"{reader.name}: not a valid JSON array ({err.message.split('(', 1)[-1]}") from None
     b = _Block()
     for i, rec in enumerate(values, start=1):
         try:
+            err = duplicate_error(rec)
+            if err is not None:
+                raise err
             reader.add_value(b, rec, f"record {i}")
         except _RecordError as err:
             reader.reject(err, f"record {i}", b)
