@@ -98,10 +98,10 @@ def test_the_path_cache_estimate_covers_the_schedule(seed, n):
 def test_auto_off_a_gpu_is_the_cpu_block_and_the_same_gradients(model):
     pack = make_pack(random_sequences(3, n=8, grow=60))
     mode = make_mode("dfs", attention="reference", dfs_block_size="auto")
-    assert mode.auto_block and mode.block_for(model, pack) == CPU_BLOCK and mode.block_for(None, pack) == CPU_BLOCK
+    assert mode.auto is not None and mode.block_for(model, pack) == CPU_BLOCK and mode.block_for(None, pack) == CPU_BLOCK
     assert mode.describe_block(model, [pack], torch.float32) == (
         'dfs: calls of up to 8,192 tokens (dfs_block_size = "auto" off a GPU)')
-    assert mode.block_plan(model, pack) is None
+    assert mode.auto.plan(model, pack, chunk_rows=1024, graphs=False, extra_tokens=0) is None
     rows = LossRows.from_pack(pack)
     objective = Objective(kind="grpo")
     grads = []
@@ -138,9 +138,10 @@ def test_a_call_at_the_auto_block_stays_under_the_plan():
                        graphs=False, available=10**12)
     # memory for the state, the cache, the logits, the workspace, and 4,096 tokens of activations beside a
     # merged anchor's
-    mode._available = plan0.state + plan0.cache + plan0.head + int((4096.5 + mode.merge_anchor_tokens) * plan0.per_token)
+    mode.auto.available = plan0.state + plan0.cache + plan0.head + int((4096.5 + mode.merge_anchor_tokens) * plan0.per_token)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        plan = mode.block_plan(model, pack)
+        plan = mode.auto.plan(model, pack, chunk_rows=1024, graphs=False, extra_tokens=mode.merge_anchor_tokens)
+        assert mode.block_for(model, pack) == plan.tokens
     assert plan.tokens == 4096
     rows = LossRows.from_pack(pack)
     torch.cuda.synchronize()
@@ -152,4 +153,4 @@ def test_a_call_at_the_auto_block_stays_under_the_plan():
     assert out.metrics["peak_graph_tokens"] <= 4096 + mode.merge_anchor_tokens
     # the state's AdamW moments do not exist yet: the peak must stay under the plan without them
     moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    assert torch.cuda.max_memory_allocated() <= mode._available - moments
+    assert torch.cuda.max_memory_allocated() <= mode.auto.available - moments

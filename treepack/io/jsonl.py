@@ -150,8 +150,7 @@ def json_error_text(exc: ValueError) -> str:
 
 
 class _Duplicated(dict):
-    """An object that named a key twice: Python keeps the last value, simdjson the first, so neither is the
-    record's; `duplicate_error` turns it into the record's error."""
+    """An object that named a key twice (json keeps the last value, simdjson the first): the record's error."""
 
     __slots__ = ("key",)
 
@@ -160,8 +159,7 @@ def _pairs(pairs: list) -> dict:
     d = dict(pairs)
     if len(d) == len(pairs):
         return d
-    seen: set = set()
-    out = _Duplicated(d)
+    seen, out = set(), _Duplicated(d)
     out.key = next(k for k, _ in pairs if k in seen or seen.add(k))
     return out
 

@@ -422,7 +422,7 @@ def train(
     if isinstance(mode, AutoMode):  # which mode runs each pack, and why
         for line in mode.describe(model, packs, [LossRows.from_pack(p) for p in packs], dtype=autocast_dtype):
             log(line)
-    if isinstance(mode, DfsMode) and mode.auto_block:  # how large its calls may be on this GPU, and why
+    if isinstance(mode, DfsMode) and mode.auto is not None:  # how large its calls may be on this GPU, and why
         log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
 
     start, losses = 0, []

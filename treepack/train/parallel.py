@@ -155,7 +155,7 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
                           clip_low=cfg.train.loss.clip_low, clip_high=cfg.train.loss.clip_high,
                           kl_coef=cfg.train.loss.kl_coef)
     mode = build_mode(cfg)
-    if isinstance(mode, DfsMode) and mode.auto_block:  # sized for the whole model's state: errs small when sharded
+    if isinstance(mode, DfsMode) and mode.auto is not None:  # sized for the whole model's state: errs small when sharded
         log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
     flops = flop_model(model.args)
     accumulation = Accumulation(model)

@@ -62,7 +62,7 @@ from treepack.train.losses import BatchTotals, LossRows, Objective, target_logpr
 from treepack.train.model import Decoder
 from treepack.train.modes.base import LayoutError, Mode, ModeResult, row_dtype
 from treepack.train.modes.dfs_graphs import CallGraphs, call_scalars, padded_inputs, unsupported_reason
-from treepack.train.modes.dfs_memory import CPU_BLOCK, BlockPlan, available_bytes, longest_path, plan_block
+from treepack.train.modes.dfs_memory import AutoBlock
 from treepack.train.modes.dfs_schedule import (
     MERGE_ANCHOR_TOKENS,
     ORDERS,
@@ -264,14 +264,11 @@ class DfsMode(Mode):
         if attention == "sdpa":
             raise ConfigError("attention 'sdpa' runs independent causal sequences; dfs mode needs a tree kernel "
                               "(auto, reference, flex or triton) for its cached prefix")
-        if block_size == "auto":
-            block_size, self.auto_block = None, True
-        elif isinstance(block_size, str):
+        auto = block_size == "auto"
+        if isinstance(block_size, str) and not auto:
             raise ConfigError(f"dfs block size must be a number of tokens or 'auto', got {block_size!r}")
-        elif block_size is not None and block_size < 0:
+        if not auto and block_size is not None and block_size < 0:
             raise ConfigError(f"dfs block size must be >= 0 (0: unlimited), got {block_size}")
-        else:
-            self.auto_block = False
         if keep_tokens < 0:
             raise ConfigError(f"dfs keep tokens must be >= 0, got {keep_tokens}")
         if merge_anchor_tokens < 0:
@@ -279,7 +276,7 @@ class DfsMode(Mode):
         if order not in ORDERS:
             raise ConfigError(f"dfs order must be one of {', '.join(ORDERS)}, got {order!r}")
         super().__init__(attention, chunk_rows=chunk_rows)
-        self.block_size = block_size or None
+        self.block_size = None if auto else block_size or None
         self.keep_tokens = keep_tokens
         self.order = order
         self.sft_fast_path = sft_fast_path
@@ -289,35 +286,19 @@ class DfsMode(Mode):
         self.cuda_graphs = cuda_graphs
         self._graphs: CallGraphs | None = None  # kept across packs: the captured calls and their buffers
         self._graphs_off: str | None = None
-        self._available: int | None = None  # auto blocks: the memory this process could have, read once
-
-    def block_plan(self, model: Decoder, pack: Pack, compute_dtype: torch.dtype | None = None) -> BlockPlan | None:
-        """The auto block for ``pack`` and the figures behind it (`dfs_memory`); None unless the block is
-        auto and the model is on a GPU."""
-        if not self.auto_block or model.device.type != "cuda":
-            return None
-        if compute_dtype is None:
-            on = torch.is_autocast_enabled("cuda")
-            compute_dtype = torch.get_autocast_dtype("cuda") if on else model.dtype
-        if self._available is None:
-            self._available = available_bytes(model.device)
-        return plan_block(model, path_tokens=longest_path(pack), chunk_rows=self.chunk_rows,
-                          compute_dtype=compute_dtype, graphs=self.cuda_graphs, available=self._available,
-                          extra_tokens=self.merge_anchor_tokens + self.keep_tokens, most=int(pack.n_real))
-
-    def describe_block(self, model: Decoder, packs: list[Pack], compute_dtype: torch.dtype) -> str:
-        """The start line of an auto block: the block of the pack with the longest path and why (the other
-        packs' blocks are at least as large)."""
-        if model.device.type != "cuda":
-            return f'dfs: calls of up to {CPU_BLOCK:,} tokens (dfs_block_size = "auto" off a GPU)'
-        return self.block_plan(model, max(packs, key=longest_path), compute_dtype).line()
+        self.auto = AutoBlock() if auto else None  # block_size "auto": planned per pack from the GPU's memory
 
     def block_for(self, model: Decoder | None, pack: Pack) -> int | None:
         """Most tokens one call of ``pack`` forwards with grad (None: unlimited)."""
-        if not self.auto_block:
+        if self.auto is None:
             return self.block_size
-        plan = self.block_plan(model, pack) if model is not None else None
-        return plan.tokens if plan is not None else CPU_BLOCK
+        return self.auto.tokens(model, pack, chunk_rows=self.chunk_rows, graphs=self.cuda_graphs,
+                                extra_tokens=self.merge_anchor_tokens + self.keep_tokens)
+
+    def describe_block(self, model: Decoder, packs: list[Pack], compute_dtype: torch.dtype) -> str:
+        """The start line of an auto block (`AutoBlock.describe`)."""
+        return self.auto.describe(model, packs, chunk_rows=self.chunk_rows, graphs=self.cuda_graphs,
+                                  extra_tokens=self.merge_anchor_tokens + self.keep_tokens, compute_dtype=compute_dtype)
 
     def graphs_for(self, model: Decoder, schedule: Schedule) -> CallGraphs | None:
         """The CUDA graphs that run this pack's anchor and grad calls (None: they run eagerly; `dfs_graphs`)."""

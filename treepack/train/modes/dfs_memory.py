@@ -134,3 +134,36 @@ def plan_block(model: torch.nn.Module, *, path_tokens: int, chunk_rows: int, com
         tokens = min(tokens, max(-(-most // GRANULE) * GRANULE, GRANULE))
     return BlockPlan(tokens=tokens, available=available, state=state, cache=cache, head=head, per_token=per_token,
                      extra_tokens=extra_tokens)
+
+
+class AutoBlock:
+    """A run's auto block: the memory this process can have, read once (before the first step, while the
+    optimizer's moments do not exist yet: the plan counts them), and a plan per pack."""
+
+    def __init__(self) -> None:
+        self.available: int | None = None
+
+    def plan(self, model: torch.nn.Module, pack: Pack, *, chunk_rows: int, graphs: bool, extra_tokens: int,
+             compute_dtype: torch.dtype | None = None) -> BlockPlan | None:
+        """``pack``'s block and the figures behind it; None off a GPU. ``compute_dtype`` None: autocast's."""
+        if model is None or model.device.type != "cuda":
+            return None
+        if compute_dtype is None:
+            on = torch.is_autocast_enabled("cuda")
+            compute_dtype = torch.get_autocast_dtype("cuda") if on else model.dtype
+        if self.available is None:
+            self.available = available_bytes(model.device)
+        return plan_block(model, path_tokens=longest_path(pack), chunk_rows=chunk_rows, compute_dtype=compute_dtype,
+                          graphs=graphs, available=self.available, extra_tokens=extra_tokens, most=int(pack.n_real))
+
+    def tokens(self, model: torch.nn.Module | None, pack: Pack, **options) -> int:
+        plan = self.plan(model, pack, **options)
+        return plan.tokens if plan is not None else CPU_BLOCK
+
+    def describe(self, model: torch.nn.Module, packs: list[Pack], **options) -> str:
+        """The start line: the block of the pack with the longest path and why (the other packs' blocks are at
+        least as large)."""
+        plan = self.plan(model, max(packs, key=longest_path), **options)
+        if plan is None:
+            return f'dfs: calls of up to {CPU_BLOCK:,} tokens (dfs_block_size = "auto" off a GPU)'
+        return plan.line()
