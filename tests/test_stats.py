@@ -53,6 +53,35 @@ def test_flop_speedup_between_one_and_c():
     assert m.non_embedding_params == pytest.approx(0.44e9, rel=0.05)  # Qwen3-0.6B: 0.44B non-embedding
 
 
+def naive_predicted(seqs, masks, scopes) -> tuple[int, int]:
+    """Head rows: targets (position >= 1, loss mask 1) per sequence, and distinct (scope, prefix) target nodes."""
+    flat = sum(sum(m[1:]) for m in masks)
+    nodes = {(scope, tuple(s[: j + 1])) for s, m, scope in zip(seqs, masks, scopes) for j in range(1, len(s)) if m[j]}
+    return flat, len(nodes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seqs=sequence_lists(max_seqs=15, max_len=10, vocab=3), data=st.data())
+def test_the_flop_models_head_rows_are_the_loss_targets(seqs, data):
+    """DESIGN §9 prices the head by predicted tokens, not all tokens: with a loss mask that is a function of the
+    prefix (sequences sharing a token agree on it), the tree's rows are the distinct target nodes exactly."""
+    from treepack.stats import predicted_tokens
+
+    groups = data.draw(st.none() | st.lists(st.sampled_from(["a", "b"]), min_size=len(seqs), max_size=len(seqs)))
+    masks = [[hash((tuple(s[: j + 1]), 7)) % 2 for j in range(len(s))] for s in seqs]
+    scopes = groups or [None] * len(seqs)
+    for with_mask in (True, False):
+        r = rollouts_from(seqs, masks=masks if with_mask else None, groups=groups)
+        tree = PrefixTree.build(r, group_by="tree_id" if groups else None)
+        ref = naive_predicted(seqs, masks if with_mask else [[1] * len(s) for s in seqs], scopes)
+        assert predicted_tokens(tree, r) == ref
+    st_ = compute_stats(tree, rollouts=r)
+    m = MODEL_SHAPES[st_.model]
+    pairs_flat, pairs_tree = st_.attention_pairs_flat, st_.attention_pairs_tree
+    assert st_.flop_speedup == pytest.approx(m.flops(st_.n_flat_tokens, ref[0], pairs_flat)
+                                             / m.flops(st_.n_tree_tokens, ref[1], pairs_tree), rel=1e-12)
+
+
 def test_gate_names_every_failure():
     r = rollouts_from([[1, 2, 3], [4, 5]])
     st_ = compute_stats(PrefixTree.build(r))

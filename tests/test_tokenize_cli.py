@@ -297,3 +297,20 @@ def test_bundled_chat_sample_regenerates_byte_for_byte(tmp_path):
     d = json.loads(res.out)
     assert (d["conversations"], d["records"], d["n_tokens"]) == (8, 124, 519_380)  # the README's table
     assert (round(d["drift"]["compression"], 2), round(d["drift"]["consistent_compression"], 2)) == (6.66, 8.69)
+
+
+@pytest.mark.parametrize("template, what", [
+    ("{{ '' }}", "no tokens"),
+    ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}",
+     "none of the turn's own tokens (only its prompt)"),
+])
+def test_a_template_that_renders_a_turn_to_nothing_is_the_records_error(tmp_path, template, what):
+    """An empty record, or one whose loss mask would be all zeros, is not passed on (stats divided by zero)."""
+    tok = build_tokenizer(tmp_path / "tok", template)
+    src = jsonl(tmp_path / "c.jsonl", [{"messages": CONV}])
+    message = f"Error: {src}: line 1: field 'messages': turn 0 renders {what} with this chat template\n"
+    for command in ("tokenize", "stats"):
+        res = run(command, src, "--tokenizer", tok)
+        assert (res.code, res.err) == (1, message)
+    skip = run("stats", src, "--tokenizer", tok, "--on-error", "skip", "-q")
+    assert (skip.code, skip.err) == (1, f"Error: {src}: no sequences to analyse: 1 bad record(s) skipped (1 empty render)\n")

@@ -154,6 +154,29 @@ class TreeStats:
         return d
 
 
+def predicted_tokens(tree: PrefixTree, rollouts: Rollouts | None) -> tuple[int, int]:
+    """The head's rows of the FLOP model (DESIGN §9's predicted tokens): loss targets, position 0 of a sequence
+    excluded (nothing predicts it), per sequence flat; per trie token in the tree, counted at the first
+    sequence in DFS order through it (exact where the sequences sharing a token agree on its loss mask). Without
+    a loss mask (or without the rollouts) every token is a target."""
+    lcp, lengths = tree.lcp, tree.lengths
+    if rollouts is None or rollouts.loss_mask is None:
+        return tree.n_flat_tokens - int((lengths > 0).sum()), tree.n_tree_tokens - int(((lcp == 0) & (lengths > 0)).sum())
+    mask = np.append(np.asarray(rollouts.loss_mask, dtype=np.uint8), 0)  # reduceat's indices may reach the end
+    starts = np.asarray(rollouts.offsets, dtype=np.int64)[:-1][tree.order]
+    lo, hi = starts + np.maximum(lcp, 1), starts + lengths
+
+    def in_ranges(a: np.ndarray, b: np.ndarray) -> int:
+        keep = b > a
+        if not keep.any():
+            return 0
+        idx = np.empty(2 * int(keep.sum()), dtype=np.int64)
+        idx[0::2], idx[1::2] = a[keep], b[keep]
+        return int(np.add.reduceat(mask, idx, dtype=np.int64)[0::2].sum())
+
+    return in_ranges(starts + 1, hi), in_ranges(lo, hi)
+
+
 def compute_stats(
     tree: PrefixTree,
     *,
@@ -182,8 +205,9 @@ def compute_stats(
     branching_counts = np.bincount(internal) if len(internal) else np.zeros(0, np.int64)
     branching = {int(k): int(v) for k, v in enumerate(branching_counts) if v}
     shape = MODEL_SHAPES[model]
-    flops_flat = shape.flops(n_flat, n_flat, pairs_flat)
-    flops_tree = shape.flops(n_tree, n_tree, pairs_tree)
+    predicted_flat, predicted_tree = predicted_tokens(tree, rollouts)
+    flops_flat = shape.flops(n_flat, predicted_flat, pairs_flat)
+    flops_tree = shape.flops(n_tree, predicted_tree, pairs_tree)
     por = 1.0 - n_tree / n_flat if n_flat else 0.0
     groups = _group_stats(tree, top_groups, tree.scope_names) if tree.scope.max(initial=0) > 0 else []
     st = TreeStats(

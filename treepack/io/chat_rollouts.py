@@ -309,6 +309,8 @@ class _State:
                     first = " (the turn to train is the first message, with no prompt before it)" if view[2][:1] == [0] else ""
                     self.fail(where, RecordError("template render failure",
                                                  f"field {conv.part!r}: the chat template failed to render: {err}{first}"))
+                elif (empty := _empty_turn(done)) is not None:
+                    self.fail(where, empty)
                 else:
                     for conv, view, turns in done:
                         self.add(conv, turns, view[3], view[4])
@@ -349,6 +351,19 @@ class _State:
         cst.records = len(trained)
         st.add(cst, self.max_examples)
         self.src.n_records += len(trained)
+
+
+def _empty_turn(done: list) -> RecordError | None:
+    """A turn to train that the template rendered to nothing, or to no tokens of the turn's own (a template
+    that drops assistant messages): an empty record, or one with nothing to learn, is the record's error."""
+    for conv, view, turns in done:
+        for i in view[4]:
+            t = turns[i]
+            if len(t.ids) == 0 or t.gen_end <= t.gen_start:
+                what = "no tokens" if len(t.ids) == 0 else "none of the turn's own tokens (only its prompt)"
+                return RecordError("empty render", f"field {conv.part!r}: turn {view[3][i]} renders {what} "
+                                                   "with this chat template")
+    return None
 
 
 def _view(conv: Conversation, options: ChatOptions):
