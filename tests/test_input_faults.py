@@ -250,6 +250,7 @@ def test_duplicate_ids_are_reported(tmp_path):
     ('{"input_ids": [1], "logprobs": [NaN]}', "field 'logprobs'[0] is not a finite number: NaN"),
     ('{"input_ids": [1], "step": 1.5}', "field 'step' must be an integer, got 1.5"),
     ('{"input_ids": [1], "step": 9223372036854775808}', "field 'step' does not fit int64 (9223372036854775808)"),
+    ('{"input_ids": [1], "step": -1}', "field 'step' must be >= 0, got -1"),  # -1 is "no step" inside
     ('{"input_ids": [1], "id": [1]}', "field 'id' must be a string or an integer, got array"),
     ('{"input_ids": [[1, 2], 3]}', "field 'input_ids'[0] is not an integer: [1, 2]"),
     ('{"input_ids": [1, 2], "loss_mask": [[1], 1]}', "field 'loss_mask'[0] must be 0 or 1, got [1]"),
@@ -307,3 +308,20 @@ def test_fast_path_equals_the_precise_path(tmp_path, monkeypatch, recs, on_error
     fast = read()
     monkeypatch.setattr(jsonl, "simdjson", None)
     assert read() == fast
+
+
+def test_a_negative_step_is_refused_in_parquet_and_a_missing_one_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from treepack.stats import compute_stats
+    from treepack.tree import PrefixTree
+
+    path = tmp_path / "s.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2], [1, 3]], "step": [0, -2]}), path)
+    with pytest.raises(InputError, match=r"s.parquet: row 1: field 'step' must be >= 0, got -2$"):
+        read_rollouts(path)
+    jl = tmp_path / "s.jsonl"
+    jl.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2, 4], "step": 2}\n')
+    r = read_rollouts(jl)
+    assert [g.group for g in compute_stats(PrefixTree.build(r), rollouts=r).groups] == ["no step", "step 2"]

@@ -48,7 +48,7 @@ def scope_codes(r: Rollouts, group_by: str | None = None) -> tuple[np.ndarray | 
     parts, labels = [], []
     if r.steps is not None:
         parts.append(r.steps)
-        labels.append(lambda v: f"step {v}")
+        labels.append(lambda v: "no step" if v < 0 else f"step {v}")  # -1: a record without one
     if group_by == "tree_id":
         if r.groups is None:
             raise InputError("--group-by tree_id: the input has no 'tree_id' or 'group_id' field")

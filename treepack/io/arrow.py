@@ -181,6 +181,9 @@ def _ingest_table(
         if kind == "int" and pa.types.is_uint64(col.type):  # steps are int64
             big = np.flatnonzero(np.asarray([v is not None and v > INT64_MAX for v in out], dtype=bool))
             row_problem(f"bad {field_name}", big, lambda r: f"field {field_name!r} does not fit int64 ({out[r]})")
+        if kind == "int" and pa.types.is_signed_integer(col.type):  # -1 stands for "no step" inside
+            neg = np.flatnonzero(np.asarray([v is not None and v < 0 for v in out], dtype=bool))
+            row_problem(f"bad {field_name}", neg, lambda r: f"field {field_name!r} must be >= 0, got {out[r]}")
         return out
 
     ids = scalar("id", "key")

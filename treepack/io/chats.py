@@ -144,6 +144,8 @@ def _check_scalars(rec: dict) -> None:
     v = rec.get("step")
     if v is not None and not (isinstance(v, int) and not isinstance(v, bool)):
         raise RecordError("bad step", f"field 'step' must be an integer, got {json.dumps(v)}")
+    if v is not None and not 0 <= v <= 2**63 - 1:
+        raise RecordError("bad step", f"field 'step' must be >= 0, got {v}" if v < 0 else f"field 'step' does not fit int64 ({v})")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from treepack.io.extras import (
     mask_carry,
     template,
 )
-from treepack.io.rollouts import GROUP_ALIASES, INT32_MAX, INT64_MAX, INT64_MIN, TOKEN_ALIASES, Progress
+from treepack.io.rollouts import GROUP_ALIASES, INT32_MAX, INT64_MAX, TOKEN_ALIASES, Progress
 from treepack.io.streams import StreamError, iter_blocks
 
 try:  # optional at import, a dependency of the package: without it every line takes the precise path
@@ -127,7 +127,9 @@ def _check_scalars(rec) -> None:
     step = rec.get("step")
     if step is not None and not _is_int(step):
         raise _RecordError("bad step", f"field 'step' must be an integer, got {json.dumps(step)}")
-    if step is not None and not INT64_MIN <= step <= INT64_MAX:
+    if step is not None and step < 0:  # -1 stands for "no step" inside; a training step counts from 0
+        raise _RecordError("bad step", f"field 'step' must be >= 0, got {step}")
+    if step is not None and step > INT64_MAX:
         raise _RecordError("bad step", f"field 'step' does not fit int64 ({step})")
     for name in ("id", *GROUP_ALIASES):
         v = rec.get(name)
