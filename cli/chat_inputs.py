@@ -105,8 +105,8 @@ def share(a: int, b: int) -> str:
 
 def render_drift(summary: dict, *, examples: bool = True) -> None:
     """The drift report as tables: one row per input, then the first divergences with their text."""
-    t = Table(title="retokenization drift (turn t's record not a prefix of turn t+1's)", title_justify="left",
-              header_style="bold")
+    t = Table(title="retokenization drift (turn t's record not a prefix of turn t+1's; POR shared within each "
+                    "conversation, whatever --group-by says)", title_justify="left", header_style="bold")
     for name, justify in (("input", "left"), ("conversations", "right"), ("turn pairs drifted", "right"),
                           ("text / tokens", "right"), ("in history / turn / after", "right"),
                           ("tokens lost", "right"), ("POR as rendered", "right"), ("POR if consistent", "right"),

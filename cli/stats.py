@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import typer
@@ -90,7 +91,7 @@ def stats(
     group_by: str = typer.Option("none", "--group-by", help="Sharing scope: none (whole input) or tree_id."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help=f"Model shape for the FLOP model: {', '.join(MODEL_SHAPES)}."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
-    top: int = typer.Option(10, "--top", help="Scopes shown in the per-scope summary."),
+    top: int = typer.Option(10, "--top", min=0, help="Scopes shown in the per-scope summary."),
     min_compression: float | None = typer.Option(None, "--min-compression", help="Gate: fail below this C."),
     min_por: float | None = typer.Option(None, "--min-por", help="Gate: fail below this POR."),
     max_seq_len: str | None = typer.Option(None, "--max-seq-len", help="Gate: fail if a sequence is longer (32K, 32768)."),
@@ -114,6 +115,10 @@ def stats(
     seq_len_limit = None if max_seq_len is None else size_option(max_seq_len, "--max-seq-len", "--max-seq-len")
     check_choice(strategy, STRATEGIES, "--strategy")
     check_choice(oversize, OVERSIZE, "--oversize")
+    for flag, value, low, high in (("--min-compression", min_compression, 1.0, math.inf), ("--min-por", min_por, 0.0, 1.0),
+                                   ("--min-err", min_err, 0.0, 1.0)):
+        if value is not None and not low <= value <= high:  # nan too: a gate that can never pass
+            raise typer.BadParameter(f"must be in [{low:g}, {high:g}], got {value:g}", param_hint=flag)
     for flag, value in (("--min-err", min_err), ("--compare-strategies", compare_strategies or None)):
         if value is not None and cap is None:
             raise typer.BadParameter("needs --capacity", param_hint=flag)
@@ -144,6 +149,7 @@ def stats(
         st.capacity, st.strategy, st.n_packs, st.n_pack_tokens, st.err = cap, strategy, p.n_packs, p.n_pack_tokens, p.err
         st.err_speedup = 1.0 / (1.0 - p.err) if p.err < 1 else float("inf")
         st.n_oversize_skipped = p.n_oversize_skipped
+        st.n_packed_flat_tokens = p.n_flat_tokens
         if p.n_oversize_skipped:
             report_oversize(rollouts, p)
     gate = Gate(min_compression=min_compression, min_por=min_por, min_err=min_err, max_seq_len=seq_len_limit)

@@ -47,6 +47,7 @@ def test_err_with_oversize_skip_is_over_the_packed_sequences(small):
     assert r.code == 0, r.err
     d = json.loads(r.out)
     assert (d["n_flat_tokens"], d["n_pack_tokens"], d["err"], d["n_oversize_skipped"]) == (11, 3, 0.0, 2)
+    assert d["n_packed_flat_tokens"] == 3  # ERR's N_flat, in the JSON too
     table = run("stats", small, "--capacity", "3", "--oversize", "skip")
     assert "1 - N_pack / N_flat of the packed sequences (2 longer than the capacity left out)" in " ".join(
         line.strip("│ ") for line in table.out.splitlines())
@@ -109,6 +110,18 @@ def test_missing_file_and_usage_errors(tmp_path):
     assert (r.code, r.err) == (1, f"Error: {tmp_path / 'nope.jsonl'}: no such file\n")
     assert run("stats", tmp_path / "nope.jsonl", "--on-error", "ignore").code == 2
     assert run("stats", tmp_path / "nope.jsonl", "--model", "gpt-9").code == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--min-por", "1.5"), "Invalid value for --min-por: must be in [0, 1], got 1.5"),
+    (("--min-por", "nan"), "Invalid value for --min-por: must be in [0, 1], got nan"),
+    (("--min-err", "-0.1", "--capacity", "8"), "Invalid value for --min-err: must be in [0, 1], got -0.1"),
+    (("--min-compression", "0.5"), "Invalid value for --min-compression: must be in [1, inf], got 0.5"),
+    (("--top", "-1"), "Invalid value for '--top'"),
+])
+def test_a_gate_that_can_never_pass_is_a_usage_error(small, args, message):
+    r = run("stats", small, *args)
+    assert r.code == 2 and message in r.err
 
 
 def test_group_by_without_groups(tmp_path):

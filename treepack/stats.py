@@ -110,6 +110,7 @@ class TreeStats:
     err: float | None = None
     err_speedup: float | None = None
     n_oversize_skipped: int | None = None  # sequences longer than the capacity, left out of the packs (and of ERR)
+    n_packed_flat_tokens: int | None = None  # ERR's N_flat: the packed sequences' tokens (below N_flat if any skipped)
 
     def rows(self, *, packing: bool = True) -> list[tuple[str, str, str]]:
         """(metric, value, meaning) rows shown by ``treepack stats`` and the HTML report."""
@@ -148,7 +149,8 @@ class TreeStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["branching"] = {str(k): v for k, v in self.branching.items()}
-        for k in ("capacity", "strategy", "n_packs", "n_pack_tokens", "err", "err_speedup", "n_oversize_skipped"):
+        for k in ("capacity", "strategy", "n_packs", "n_pack_tokens", "err", "err_speedup", "n_oversize_skipped",
+                  "n_packed_flat_tokens"):
             if d[k] is None:
                 del d[k]
         return d
