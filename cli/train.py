@@ -27,7 +27,7 @@ def train(
     size: str = typer.Option("full", "--size", help="With --example-config: full (every key, GPU defaults) or tiny "
                              "(a few steps on a CPU in seconds)."),
     steps: int | None = typer.Option(None, "--steps", help="Override train.steps."),
-    output_dir: Path | None = typer.Option(None, "--output-dir", "-o", help="Override output.dir."),
+    output_dir: str | None = typer.Option(None, "--output-dir", "-o", help="Override output.dir."),
     nproc: int | None = typer.Option(None, "--nproc", help="Data-parallel on N processes of this host: launches "
                                      "torchrun (one GPU each on CUDA, gloo on CPU)."),
 ) -> None:
@@ -50,7 +50,9 @@ def train(
             raise typer.BadParameter("must be >= 1", param_hint="--steps")
         cfg.train.steps = steps
     if output_dir is not None:
-        cfg.output.dir = str(output_dir)
+        if not output_dir.strip():  # Path("") is ".": the run would land in the working directory
+            raise typer.BadParameter("must not be empty", param_hint="--output-dir")
+        cfg.output.dir = output_dir
 
     distributed = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ  # started by torchrun
     if nproc is not None and not distributed:

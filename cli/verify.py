@@ -125,7 +125,7 @@ def verify(
     device: str = typer.Option("cpu", "--device", help="cpu | cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random model (and of synthetic advantages)."),
     micro_batch_tokens: str = typer.Option("0", "--micro-batch-tokens", help="dense modes: most tokens forwarded at once (0 = each pack's size)."),
-    dfs_block_size: int = typer.Option(2048, "--dfs-block-size", help="dfs: most tokens forwarded with grad at once (0 = unlimited)."),
+    dfs_block_size: str = typer.Option("2048", "--dfs-block-size", help="dfs: most tokens forwarded with grad at once: tokens (8192, 8K), 0 = unlimited, or auto (as train.dfs_block_size)."),
     dfs_keep_tokens: int = typer.Option(0, "--dfs-keep-tokens", help="dfs: shared segments kept with their graph instead of re-forwarded."),
     dfs_walk: bool = typer.Option(False, "--dfs-walk", help="dfs: walk leaf by leaf (AReaL-DTA) instead of one call per subtree that fits a block."),
     compile_: bool = typer.Option(False, "--compile", help="Run the compiled (torch.compile) regions as training on CUDA does; slower to start."),
@@ -136,6 +136,9 @@ def verify(
     if packs < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--packs")
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if not [m for m in mode_list if m != baseline]:  # the baseline alone compares nothing, yet would print OK
+        raise typer.BadParameter(f"name at least one mode to compare with the baseline ({baseline}), got {modes!r}",
+                                 param_hint="--modes")
     cap = size_option(capacity, "--capacity", "capacity")
     micro = (size_option(micro_batch_tokens, "--micro-batch-tokens", "micro-batch tokens")
              if micro_batch_tokens.strip() != "0" else 0)
@@ -143,13 +146,18 @@ def verify(
 
     import torch
 
-    from treepack.train.config import load_config
+    from treepack.errors import ConfigError
+    from treepack.train.config import load_config, parse_dfs_block
     from treepack.train.data import compact_vocab, load_packs
     from treepack.train.model import Decoder
     from treepack.train.modes import make_mode
     from treepack.train.verify import BASELINES, DTYPES, verify_packs
 
-    mode_options = {"dfs_block_size": dfs_block_size, "dfs_keep_tokens": dfs_keep_tokens, "dfs_subtree_calls": not dfs_walk,
+    try:
+        block = parse_dfs_block(dfs_block_size, "--dfs-block-size")
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("--dfs-block-size "), param_hint="--dfs-block-size") from None
+    mode_options = {"dfs_block_size": block, "dfs_keep_tokens": dfs_keep_tokens, "dfs_subtree_calls": not dfs_walk,
                     "micro_batch_tokens": micro or None}
     for m in mode_list:
         make_mode(m, **mode_options)  # unknown modes and bad options fail here, before any work

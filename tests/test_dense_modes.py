@@ -337,7 +337,7 @@ def test_train_config_keys(tmp_path):
                        base_dir=tmp_path)
     assert cfg.train.micro_batch_token_count == 4096 and cfg.train.speed_table == str(tmp_path / "t.json")
     with pytest.raises(ConfigError, match="^config.toml: train.attention = 'sdpa' runs independent causal sequences; "
-                                          "train.mode = 'auto' needs auto, reference, flex or triton$"):
+                                          "train.mode = 'auto' needs auto, reference, flex, triton or fa4$"):
         parse_config(base + "mode = 'auto'\nattention = 'sdpa'\n")
     with pytest.raises(ConfigError, match="^config.toml: invalid train.micro_batch_tokens 'lots': expected an integer"):
         parse_config(base + "micro_batch_tokens = 'lots'\n")

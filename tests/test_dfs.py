@@ -603,4 +603,9 @@ def test_verify_cli_with_dfs(tmp_path):
     assert r.code == 0 and "OK: every mode matches dense" in r.out
     assert re.search(r"dfs: \d+ tokens forwarded with grad, \d+ without \(anchors, [\d.]+%\)", r.out)
     r = cli("verify", data, "--capacity", "40", "--modes", "dense,dfs", "--dfs-block-size", "-1")
-    assert (r.code, r.err) == (1, "Error: dfs block size must be >= 0 (0: unlimited), got -1\n")
+    assert r.code == 2 and 'Invalid value for --dfs-block-size: must be >= 0 (0: unlimited) or "auto", got -1' in r.err
+    for block in ("auto", "1k"):  # the forms train.dfs_block_size takes
+        r = cli("verify", data, "--capacity", "40", "--modes", "dense,dfs", "--dfs-block-size", block)
+        assert r.code == 0 and "OK: every mode matches dense" in r.out, r.err
+    r = cli("verify", data, "--capacity", "40", "--modes", "dense")  # nothing to compare: not an OK
+    assert r.code == 2 and "name at least one mode to compare with the baseline (dense), got 'dense'" in r.err

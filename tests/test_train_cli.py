@@ -100,6 +100,9 @@ def metrics(run_dir: Path) -> list[dict]:
     ("[data]\nshards = 'p'\nchild_order = 'size'\n",
      "config.toml: data.child_order must be one of auto, lex, largest-first, got 'size'"),
     ("[data]\nrollouts = 'r.jsonl'\n", "config.toml: data.rollouts must be a list of strings, got 'r.jsonl'"),
+    ("[data]\nshards = 'p'\n[train]\nweight_decay = nan\n", "config.toml: train.weight_decay must be a finite number, got nan"),
+    ("[data]\nshards = 'p'\n[train]\nlr = inf\n", "config.toml: train.lr must be a finite number, got inf"),
+    ("[data]\nshards = 'p'\n[train]\nseed = -1\n", "config.toml: train.seed must be >= 0, got -1"),
     ("[data\nshards = 'p'\n", None),
 ])
 def test_config_errors(tmp_path, monkeypatch, body, message):
@@ -131,6 +134,7 @@ def test_missing_config_file(tmp_path, monkeypatch):
 @pytest.mark.parametrize("attention,reason", [
     ("triton", "the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got cpu"),
     ("fa4", "the fa4 backend needs CUDA tensors, got cpu"),
+    ("flex", "torch's FlexAttention has no backward on CPU; use 'reference' or 'auto' there"),
 ])
 def test_a_named_kernel_that_cannot_run_stops_before_the_first_step(tmp_path, monkeypatch, attention, reason):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -467,3 +471,39 @@ def test_verify_fails_on_corrupted_shards(tmp_path, column):
     assert out.get("error") or (not out["layout_ok"] and out["max_rel_grad_diff"] > 1e-9)
     r = run("verify", tmp_path / "packs", "--packs", "0")
     assert r.code == 1 and ("FAIL: " in r.out or r.err.startswith("Error: corrupt pack"))
+
+
+def test_compact_vocab_resume_refuses_other_token_ids_and_keeps_the_map(tmp_path):
+    """A resume with model.compact_vocab must see the ids its checkpoint learned: shifted ids (as many distinct
+    ones) would silently hand every embedding row to another token; vocab.json stays as the checkpoint's."""
+    def config(steps):
+        path = write_config(tmp_path, steps=steps, out="cv")
+        path.write_text(path.read_text().replace("[model]\n", "[model]\ncompact_vocab = true\n", 1))
+        return path
+
+    assert run("train", config(4), "--steps", "2").code == 0
+    vocab = (tmp_path / "cv" / "vocab.json").read_text()
+    data = tmp_path / "rollouts.jsonl"
+    shifted = [{**rec, "input_ids": [t + 1 for t in rec["input_ids"]]} for rec in map(json.loads, data.read_text().splitlines())]
+    cfg = config(4)  # rewrites rollouts.jsonl: shift it after
+    data.write_text("".join(json.dumps(rec) + "\n" for rec in shifted))
+    r = run("train", cfg)
+    assert r.code == 1 and r.err.startswith(f"Error: {tmp_path / 'cv' / 'vocab.json'}: model.compact_vocab: the data's "
+                                            "token ids are not the ones the checkpoint was trained on")
+    assert (tmp_path / "cv" / "vocab.json").read_text() == vocab
+    same = run("train", config(4))  # the checkpoint's own data resumes
+    assert same.code == 0 and same.out.splitlines()[0].startswith("resumed from")
+
+
+def test_vocab_too_small_names_the_key_and_resume_false_says_it_starts_over(tmp_path):
+    small = write_config(tmp_path, steps=1, out="v")
+    small.write_text(small.read_text().replace("[model]\n", "[model]\nvocab_size = 5\n", 1))
+    r = run("train", small)
+    assert r.code == 1 and r.err.startswith("Error: the data has token id ")
+    assert r.err.endswith(", more than model.vocab_size holds (5); set it higher, or 0 for the data's largest id + 1\n")
+    assert run("train", write_config(tmp_path, steps=1, out="again")).code == 0
+    r = run("train", write_config(tmp_path, steps=1, out="again", output_extra="resume = false"))
+    assert r.code == 0 and (f"output.resume = false: starting over; the checkpoint in {tmp_path / 'again' / 'checkpoint'} "
+                            "will be replaced") in r.out.splitlines()
+    r = run("train", write_config(tmp_path, steps=1), "-o", "")
+    assert r.code == 2 and "Invalid value for --output-dir: must not be empty" in r.err

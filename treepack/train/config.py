@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -187,7 +188,7 @@ class TrainConfig:
         _one_of("train.attention", self.attention, ATTENTION)
         if self.mode in ("tree", "dfs", "auto") and self.attention == "sdpa":
             raise ConfigError("train.attention = 'sdpa' runs independent causal sequences; "
-                              f"train.mode = '{self.mode}' needs auto, reference, flex or triton")
+                              f"train.mode = '{self.mode}' needs auto, reference, flex, triton or fa4")
         if self.micro_batch_tokens:
             try:
                 parse_size(self.micro_batch_tokens, what="train.micro_batch_tokens")
@@ -198,6 +199,7 @@ class TrainConfig:
         _positive("train.dfs_merge_anchor_tokens", self.dfs_merge_anchor_tokens, zero_ok=True)
         _one_of("train.dfs_order", self.dfs_order, DFS_ORDERS)
         _positive("train.steps", self.steps)
+        _positive("train.seed", self.seed, zero_ok=True)
         _positive("train.lr", self.lr)
         _one_of("train.schedule", self.schedule, SCHEDULES)
         _positive("train.warmup_steps", self.warmup_steps, zero_ok=True)
@@ -218,19 +220,7 @@ class TrainConfig:
     @property
     def dfs_block(self) -> int | str:
         """``train.dfs_block_size`` as `DfsMode` takes it: "auto", or tokens (0: unlimited)."""
-        value = self.dfs_block_size
-        if value == "auto":
-            return value
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value < 0:
-                raise ConfigError(f"train.dfs_block_size must be >= 0 or \"auto\", got {value}")
-            return value
-        if str(value).strip() == "0":
-            return 0
-        try:
-            return parse_size(value, what="train.dfs_block_size")
-        except TreepackError as exc:
-            raise ConfigError(f"{exc}, or \"auto\"") from None
+        return parse_dfs_block(self.dfs_block_size, "train.dfs_block_size")
 
     @property
     def micro_batch_token_count(self) -> int | None:
@@ -278,6 +268,30 @@ def _type_name(tp) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
+def parse_dfs_block(value, what: str) -> int | str:
+    """A dfs block as written (``train.dfs_block_size``, ``verify --dfs-block-size``): "auto", or tokens as an
+    integer or a size such as "8K", 0 for unlimited."""
+    if value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        tokens = value
+    else:
+        text = str(value).strip()
+        if text.lstrip("-").isdigit():
+            tokens = int(text)
+        else:
+            try:
+                tokens = parse_size(text, what=what)
+            except TreepackError:
+                if text[:1] == "0" and text.rstrip("kKMG").strip("0.") == "":  # "0k": zero is unlimited
+                    return 0
+                raise ConfigError(f'{what} must be a number of tokens such as 8192 or "8K", 0 (unlimited) or "auto", '
+                                  f"got {value!r}") from None
+    if tokens < 0:
+        raise ConfigError(f'{what} must be >= 0 (0: unlimited) or "auto", got {tokens}')
+    return tokens
+
+
 # keys that take a token count as an integer or a string such as "64K"
 SIZE_KEYS = {"data.capacity": 'a size such as 65536 or "64K"', "train.micro_batch_tokens": 'a size such as 32768 or "32K"',
              "train.dfs_block_size": 'a size such as 8192 or "8K", or "auto"'}
@@ -299,6 +313,8 @@ def _coerce(key: str, value, tp):
     elif tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+        if ok and not math.isfinite(value):  # TOML has nan and inf; no setting means either
+            raise ConfigError(f"{key} must be a finite number, got {_toml_repr(value)}")
     elif tp is str:
         ok = isinstance(value, str)
         if key in SIZE_KEYS and isinstance(value, int) and not isinstance(value, bool):

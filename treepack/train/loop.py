@@ -190,6 +190,25 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def compact_vocab_of_run(cfg: RunConfig, packs: list[Pack], out_dir: Path, *, write: bool) -> list[Pack]:
+    """``model.compact_vocab``: the packs with their ids renumbered 0..n-1, and the map in ``vocab.json``. A run
+    that resumes must see the ids its checkpoint was trained on: other data would give its embedding rows to
+    other tokens (or another row count), so that is refused before anything is written."""
+    if cfg.model.checkpoint:
+        raise ConfigError("model.compact_vocab renumbers token ids: only for random-init models, not a checkpoint")
+    packs, original_ids = compact_vocab(packs)
+    path = out_dir / "vocab.json"
+    if cfg.output.resume and has_checkpoint(out_dir) and path.is_file():
+        saved = json.loads(path.read_text())["original_ids"]
+        if saved != original_ids.tolist():
+            raise ConfigError(f"{path}: model.compact_vocab: the data's token ids are not the ones the checkpoint was "
+                              f"trained on ({len(original_ids):,} distinct ids against {len(saved):,}, or others); use "
+                              "a new output.dir or set output.resume = false")
+    elif write:
+        path.write_text(json.dumps({"original_ids": original_ids.tolist()}) + "\n")
+    return packs
+
+
 def build_model(cfg: RunConfig, packs: list[Pack], device: torch.device, dtype: torch.dtype) -> Decoder:
     """The configured model: a local checkpoint, or a random init whose vocabulary covers the data."""
     m = cfg.model
@@ -209,7 +228,11 @@ def build_model(cfg: RunConfig, packs: list[Pack], device: torch.device, dtype: 
         )
         model = Decoder.random_init(args, seed=cfg.train.seed, dtype=dtype, device=device)
     if max_id >= model.args.vocab_size:
-        raise ConfigError(f"the data has token id {max_id}, outside the model's vocabulary ({model.args.vocab_size})")
+        what = ("the data has " + (f"{max_id + 1:,} distinct token ids (model.compact_vocab renumbers them 0..n-1)"
+                                   if cfg.model.compact_vocab else f"token id {max_id}"))
+        where = "the checkpoint's vocabulary" if m.checkpoint else "model.vocab_size"
+        raise ConfigError(f"{what}, more than {where} holds ({model.args.vocab_size:,})"
+                          + ("" if m.checkpoint else "; set it higher, or 0 for the data's largest id + 1"))
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.compile = cfg.train.compile
     model.activation_memory_budget = cfg.train.activation_memory_budget
@@ -217,8 +240,11 @@ def build_model(cfg: RunConfig, packs: list[Pack], device: torch.device, dtype: 
 
 
 def check_attention(impl: str, model: Decoder, device: torch.device, dtype: torch.dtype) -> None:
-    """A named kernel that cannot run here (triton or fa4 on a CPU, fa4 in float32, ...) stops the run before
+    """A named kernel that cannot run here (triton, fa4 or flex on a CPU, fa4 in float32, ...) stops the run before
     its first step with the kernel's own reason, instead of a traceback from inside that step."""
+    if impl == "flex" and device.type != "cuda":  # training needs its backward
+        raise ConfigError("train.attention = 'flex': torch's FlexAttention has no backward on CPU; "
+                          "use 'reference' or 'auto' there")
     if impl not in ("triton", "fa4"):
         return
     from treepack.kernels.tree_attention.api import triton_unsupported_reason
@@ -408,10 +434,7 @@ def train(
     out_dir = Path(cfg.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model.compact_vocab:
-        if cfg.model.checkpoint:
-            raise ConfigError("model.compact_vocab renumbers token ids: only for random-init models, not a checkpoint")
-        packs, original_ids = compact_vocab(packs)
-        (out_dir / "vocab.json").write_text(json.dumps({"original_ids": original_ids.tolist()}) + "\n")
+        packs = compact_vocab_of_run(cfg, packs, out_dir, write=True)
     model = build_model(cfg, packs, device, param_dtype)
     check_attention(cfg.train.attention, model, device, autocast_dtype or param_dtype)
     optimizer = make_optimizer(model, cfg)
@@ -422,10 +445,10 @@ def train(
     if isinstance(mode, AutoMode):  # which mode runs each pack, and why
         for line in mode.describe(model, packs, [LossRows.from_pack(p) for p in packs], dtype=autocast_dtype):
             log(line)
-    if isinstance(mode, DfsMode) and mode.auto is not None:  # how large its calls may be on this GPU, and why
-        log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
 
     start, losses = 0, []
+    if not cfg.output.resume and has_checkpoint(out_dir):
+        log(f"output.resume = false: starting over; the checkpoint in {out_dir / 'checkpoint'} will be replaced")
     if cfg.output.resume and has_checkpoint(out_dir):
         state = load_checkpoint(out_dir, model, optimizer)
         start, losses = int(state["step"]), list(state.get("losses", []))
@@ -451,6 +474,8 @@ def train(
 
     for line in banner(cfg, model, packs, device, param_dtype, autocast_dtype):
         log(line)
+    if isinstance(mode, DfsMode):  # how large its calls may be (on this GPU), and why
+        log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
     if model.uses_compiled(device) or (device.type == "cuda" and cfg.train.mode not in ("dense", "dense-leaf")):
         log("the first steps compile the kernels (torch.compile, Triton autotuning): expect them to take "
             "tens of seconds longer than the rest")

@@ -41,7 +41,7 @@ from treepack.errors import ConfigError, TreepackError
 from treepack.pack.layout import Pack
 from treepack.train.checkpoint import has_checkpoint
 from treepack.train.config import RunConfig
-from treepack.train.data import compact_vocab, data_where, load_packs
+from treepack.train.data import data_where, load_packs
 from treepack.train.dcp import load_distributed, save_distributed
 from treepack.train.distributed import flop_model, gather_floats, shard_batch
 from treepack.train.fsdp import Accumulation, grad_norm, shard_model
@@ -53,6 +53,7 @@ from treepack.train.loop import (
     build_mode,
     build_model,
     check_attention,
+    compact_vocab_of_run,
     lr_at,
     make_optimizer,
     open_metrics,
@@ -134,11 +135,7 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
     if group.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model.compact_vocab:
-        if cfg.model.checkpoint:
-            raise ConfigError("model.compact_vocab renumbers token ids: only for random-init models, not a checkpoint")
-        packs, original_ids = compact_vocab(packs)
-        if group.rank == 0:
-            (out_dir / "vocab.json").write_text(json.dumps({"original_ids": original_ids.tolist()}) + "\n")
+        packs = compact_vocab_of_run(cfg, packs, out_dir, write=group.rank == 0)
     dist.barrier()
     model = build_model(cfg, packs, device, param_dtype)
     check_attention(cfg.train.attention, model, device, autocast_dtype or param_dtype)
@@ -155,13 +152,15 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
                           clip_low=cfg.train.loss.clip_low, clip_high=cfg.train.loss.clip_high,
                           kl_coef=cfg.train.loss.kl_coef)
     mode = build_mode(cfg)
-    if isinstance(mode, DfsMode) and mode.auto is not None:  # sized for the whole model's state: errs small when sharded
+    if isinstance(mode, DfsMode):  # an auto block is sized for the whole model's state: errs small when sharded
         log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
     flops = flop_model(model.args)
     accumulation = Accumulation(model)
     params = list(model.parameters())
 
     start, losses = 0, []
+    if not cfg.output.resume and has_checkpoint(out_dir):
+        log(f"output.resume = false: starting over; the checkpoint in {out_dir / 'checkpoint'} will be replaced")
     if cfg.output.resume and has_checkpoint(out_dir):
         state = load_distributed(out_dir, model, optimizer)
         start, losses = int(state["step"]), list(state.get("losses", []))

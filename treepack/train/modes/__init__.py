@@ -57,7 +57,7 @@ def make_mode(name: str, *, attention: str | None = None, chunk_rows: int = 4096
     if name in ("tree", "auto"):
         if attention == "sdpa":
             raise ConfigError(f"attention 'sdpa' runs independent causal sequences; {name} mode needs a tree "
-                              "kernel (auto, reference, flex or triton)")
+                              "kernel (auto, reference, flex, triton or fa4)")
         tree = TreeMode(attention or "auto", chunk_rows=chunk_rows, sft_fast_path=sft_fast_path)
         if name == "tree":
             return tree

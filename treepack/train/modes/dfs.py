@@ -263,7 +263,7 @@ class DfsMode(Mode):
                  merge_pops: bool = True, cuda_graphs: bool = False) -> None:
         if attention == "sdpa":
             raise ConfigError("attention 'sdpa' runs independent causal sequences; dfs mode needs a tree kernel "
-                              "(auto, reference, flex or triton) for its cached prefix")
+                              "(auto, reference, flex, triton or fa4) for its cached prefix")
         auto = block_size == "auto"
         if isinstance(block_size, str) and not auto:
             raise ConfigError(f"dfs block size must be a number of tokens or 'auto', got {block_size!r}")
@@ -296,7 +296,11 @@ class DfsMode(Mode):
                                 extra_tokens=self.merge_anchor_tokens + self.keep_tokens)
 
     def describe_block(self, model: Decoder, packs: list[Pack], compute_dtype: torch.dtype) -> str:
-        """The start line of an auto block (`AutoBlock.describe`)."""
+        """The start line: the block and, for an auto one, why (`AutoBlock.describe`)."""
+        if self.auto is None:
+            if self.block_size is None:
+                return "dfs: each pack in one call (dfs_block_size = 0: unlimited)"
+            return f"dfs: calls of up to {self.block_size:,} tokens (dfs_block_size)"
         return self.auto.describe(model, packs, chunk_rows=self.chunk_rows, graphs=self.cuda_graphs,
                                   extra_tokens=self.merge_anchor_tokens + self.keep_tokens, compute_dtype=compute_dtype)
 
