@@ -127,10 +127,9 @@ def _check_scalars(rec) -> None:
     step = rec.get("step")
     if step is not None and not _is_int(step):
         raise _RecordError("bad step", f"field 'step' must be an integer, got {json.dumps(step)}")
-    if step is not None and step < 0:  # -1 stands for "no step" inside; a training step counts from 0
-        raise _RecordError("bad step", f"field 'step' must be >= 0, got {step}")
-    if step is not None and step > INT64_MAX:
-        raise _RecordError("bad step", f"field 'step' does not fit int64 ({step})")
+    if step is not None and not 0 <= step <= INT64_MAX:  # -1 stands for "no step" inside; steps count from 0
+        raise _RecordError("bad step", f"field 'step' must be >= 0, got {step}" if step < 0
+                           else f"field 'step' does not fit int64 ({step})")
     for name in ("id", *GROUP_ALIASES):
         v = rec.get(name)
         if v is not None and not (isinstance(v, str) or _is_int(v)):

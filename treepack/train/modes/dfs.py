@@ -290,17 +290,15 @@ class DfsMode(Mode):
 
     def block_for(self, model: Decoder | None, pack: Pack) -> int | None:
         """Most tokens one call of ``pack`` forwards with grad (None: unlimited)."""
-        if self.auto is None:
-            return self.block_size
-        return self.auto.tokens(model, pack, chunk_rows=self.chunk_rows, graphs=self.cuda_graphs,
-                                extra_tokens=self.merge_anchor_tokens + self.keep_tokens)
+        return self.block_size if self.auto is None else self.auto.tokens(
+            model, pack, chunk_rows=self.chunk_rows, graphs=self.cuda_graphs,
+            extra_tokens=self.merge_anchor_tokens + self.keep_tokens)
 
     def describe_block(self, model: Decoder, packs: list[Pack], compute_dtype: torch.dtype) -> str:
         """The start line: the block and, for an auto one, why (`AutoBlock.describe`)."""
         if self.auto is None:
-            if self.block_size is None:
-                return "dfs: each pack in one call (dfs_block_size = 0: unlimited)"
-            return f"dfs: calls of up to {self.block_size:,} tokens (dfs_block_size)"
+            return (f"dfs: calls of up to {self.block_size:,} tokens (dfs_block_size)" if self.block_size else
+                    "dfs: each pack in one call (dfs_block_size = 0: unlimited)")
         return self.auto.describe(model, packs, chunk_rows=self.chunk_rows, graphs=self.cuda_graphs,
                                   extra_tokens=self.merge_anchor_tokens + self.keep_tokens, compute_dtype=compute_dtype)
 
