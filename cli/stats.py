@@ -122,7 +122,7 @@ def stats(
     for flag, value in (("--min-err", min_err), ("--compare-strategies", compare_strategies or None)):
         if value is not None and cap is None:
             raise typer.BadParameter("needs --capacity", param_hint=flag)
-    # stats (and its packing and figures) read only tokens: masks and log-probs are validated, not kept
+    # stats (and its packing and figures) read tokens and loss masks: log-probs are validated, not kept
     chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field)
     drift = None
     if chat is None:

@@ -146,14 +146,15 @@ def test_select_keeps_fields(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
-def test_token_fields_validated_but_not_kept(tmp_path, fmt):
-    r = read_rollouts(write_jsonl(tmp_path / "r.jsonl", GOOD))
+def test_logprobs_validated_but_not_kept_and_masks_kept(tmp_path, fmt):
+    r = read_rollouts(write_jsonl(tmp_path / "r.jsonl", [{**g, "logprobs": [-0.5] * len(g["input_ids"])} for g in GOOD]))
     path = tmp_path / "r.jsonl"
     if fmt == "parquet":
         path = tmp_path / "r.parquet"
         pq.write_table(to_arrow(r), path)
     lean = read_rollouts(path, keep_token_fields=False)
-    assert lean.loss_mask is None and lean.logprobs is None
+    assert lean.logprobs is None and r.logprobs is not None  # 8 bytes a token stats does not need
+    assert lean.loss_mask.tolist() == r.loss_mask.tolist()  # 1 byte a token: the FLOP model's loss targets
     assert lean.tokens.tolist() == r.tokens.tolist() and lean.ids == r.ids
     bad = write_jsonl(tmp_path / "bad.jsonl", GOOD[:1], raw_lines=['{"input_ids": [1, 2], "loss_mask": [1]}'])
     with pytest.raises(InputError, match="line 2: field 'loss_mask' has length 1"):

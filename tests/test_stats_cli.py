@@ -145,3 +145,20 @@ def test_output_into_a_closed_pipe_exits_0(small, extra):
     err = p.stderr.read()
     p.stderr.close()
     assert (p.wait(timeout=120), err) == (0, b"")
+
+
+def test_flop_speedup_counts_the_loss_targets_as_the_heads_rows(tmp_path):
+    """stats keeps the loss masks (not the log-probs): the FLOP model's head rows are the targets, per sequence
+    flat and per distinct prefix in the tree (DESIGN §9), checked against a count by hand."""
+    from treepack.stats import MODEL_SHAPES
+
+    recs = [{"input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 1, 1, 1]},
+            {"input_ids": [1, 2, 3, 6, 7], "loss_mask": [0, 0, 1, 1, 1]},
+            {"input_ids": [1, 2, 8], "loss_mask": [0, 0, 1]}]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    d = json.loads(run("stats", path, "--json", "-q").out)
+    # flat: 3 + 3 + 1 targets; tree: [1,2,3] once, then 4, 5, 6, 7, and 8: 6 distinct target tokens
+    m = MODEL_SHAPES[d["model"]]
+    want = m.flops(13, 7, d["attention_pairs_flat"]) / m.flops(d["n_tree_tokens"], 6, d["attention_pairs_tree"])
+    assert d["n_tree_tokens"] == 8 and d["flop_speedup"] == pytest.approx(want, rel=1e-12)

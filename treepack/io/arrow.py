@@ -143,7 +143,7 @@ def _ingest_table(
                 return f"field 'loss_mask'[{j}] must be 0 or 1, got {'null' if null else seg[j]}"
 
             row_problem("bad loss_mask", rows, msg)
-        return m.astype(np.uint8) if builder.keep_token_fields else None
+        return m.astype(np.uint8)
 
     def logprob_values(vals, offs, isnull):
         if not (pa.types.is_floating(vals.type) or pa.types.is_integer(vals.type)):

@@ -91,11 +91,11 @@ class Builder:
     """Accumulates validated chunks from any number of files, then builds one batch."""
 
     def __init__(self, keep_token_fields: bool = True, keep_records: bool = False) -> None:
-        self.keep_token_fields = keep_token_fields  # False: loss masks / log-probs are validated, not kept
+        self.keep_token_fields = keep_token_fields  # False: log-probs are validated, not kept (masks always are)
         self.keep_records = keep_records  # True: templates / other columns for an exact unpack
         self.record_kind = "json"  # how records are kept: "json" templates, or "arrow" (all input is Parquet)
         self.tokens = GrowingArray(np.int32)
-        self.mask = GrowingArray(np.uint8) if keep_token_fields else None
+        self.mask = GrowingArray(np.uint8)  # 1 byte a token: stats' FLOP model counts the loss targets
         self.logprobs: GrowingArray | None = None  # created at the first chunk that has log-probs
         self.lengths: list[np.ndarray] = []
         self.ids: list = []

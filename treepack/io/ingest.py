@@ -133,8 +133,8 @@ def read_rollouts(
     ``on_error``: ``"raise"`` (default) raises ``InputError`` naming file, line/row and field at the first bad
     record; ``"skip"`` drops bad records and counts them per reason in ``Rollouts.skipped``.
     ``progress`` is called with the bytes read from disk as reading advances (compressed bytes for gzip;
-    Parquet: pro rata by rows). ``keep_token_fields=False`` still validates ``loss_mask``/``logprobs`` but
-    drops them (``stats`` needs only tokens: this saves 1-9 bytes a token of peak memory).
+    Parquet: pro rata by rows). ``keep_token_fields=False`` still validates ``logprobs`` but drops them
+    (``stats`` needs tokens and loss masks: this saves 8 bytes a token of peak memory).
     ``keep_records=True`` keeps every other field for an exact unpack (``Rollouts.extras``; ``pack``).
     """
     if on_error not in ("raise", "skip"):

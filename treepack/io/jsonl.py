@@ -489,7 +489,7 @@ class _Reader:
         if not n:
             return
         mask_flat = lp_flat = None
-        if self.builder.keep_token_fields and any(m is not None for m in b.masks):
+        if any(m is not None for m in b.masks):
             mask_flat = np.concatenate([m if m is not None else np.ones(k, np.uint8) for m, k in zip(b.masks, lens)])
         if self.builder.keep_token_fields and any(p is not None for p in b.lps):
             lp_flat = np.concatenate([p if p is not None else np.full(k, np.nan) for p, k in zip(b.lps, lens)])
