@@ -47,7 +47,8 @@ def load_with_progress(files: list[str], *, tokens_field: str | None, on_error: 
     if tokenizer is not None:
         from treepack.cli.chat_inputs import load_chats
 
-        return load_chats(files, tokenizer, chat, on_error=on_error, quiet=quiet).rollouts
+        recs = load_chats(files, tokenizer, chat, on_error=on_error, quiet=quiet)
+        return recs.rollouts_with_records() if keep_records else recs.rollouts
     kwargs = {"tokens_field": tokens_field, "on_error": on_error, "keep_token_fields": keep_token_fields,
               "keep_records": keep_records}
     total = input_bytes(files)

@@ -66,6 +66,8 @@ def pack(
         raise typer.BadParameter(f"must be positive, got {pad_to}", param_hint="--pad-to")
     if balance is not None and balance <= 0:
         raise typer.BadParameter(f"must be positive, got {balance}", param_hint="--balance")
+    if balance is None and balance_cost != "tokens":
+        raise typer.BadParameter("needs --balance (the cost it balances packs by)", param_hint="--balance-cost")
     try:
         parse_shard_size(shard_size)
     except TreepackError as exc:
@@ -127,8 +129,9 @@ def _summary(m: dict, requested: int, out: Path, times: tuple[float, float, floa
     t.add_column("value", justify="right")
     t.add_column("meaning", style="dim")
     rows = [
-        ("sequences", f"{c['packed_sequences']:,}", f"of {c['records']:,} records"
-         + (f"; {c['oversize_skipped']:,} over capacity skipped" if c["oversize_skipped"] else "")),
+        ("sequences", f"{c['packed_sequences']:,}", f"of {c['records']:,} records read"
+         + (f"; {c['oversize_skipped']:,} over capacity skipped" if c["oversize_skipped"] else "")
+         + (f"; {c['skipped']:,} bad records skipped" if c.get("skipped") else "")),
         ("N_flat", f"{s['packed_flat_tokens']:,}", "tokens a dense trainer computes"),
         ("N_tree", f"{s['packed_tree_tokens']:,}", "tokens in the prefix trie (the lower bound)"),
         ("POR", f"{s['packed_por']:.4f}", "1 - N_tree / N_flat"),

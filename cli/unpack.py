@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 from treepack.cli.common import err_console, handle_errors
 
@@ -21,6 +23,9 @@ def unpack(
     packs = pack_dir_of(directory)  # the directory, or its manifest.json
     if packs is None:
         read_manifest(directory)  # raises, naming what is missing
+    if output != "-" and Path(output).resolve().parent == Path(packs).resolve():
+        raise typer.BadParameter(f"{output!r}: write it outside the pack directory {packs} (a file there can "
+                                 "replace one of its shards)", param_hint="--output")
     r = read_inputs(str(packs), keep_records=True)  # every packed record, and the count of those not packed
     write_rollouts(r, output)
     if not quiet:

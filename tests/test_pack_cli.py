@@ -94,6 +94,8 @@ def test_unpack_of_what_is_not_a_pack_directory(small, tmp_path):
     (["--capacity", "8", "--balance", "0"], "Invalid value for --balance: must be positive, got 0"),
     (["--capacity", "8", "--balance-cost", "time"],
      "Invalid value for --balance-cost: must be one of tokens, flops, got 'time'"),
+    (["--capacity", "8", "--balance-cost", "flops"],  # was ignored without --balance
+     "Invalid value for --balance-cost: needs --balance (the cost it balances packs by)"),
 ])
 def test_usage_errors(small, tmp_path, args, message):
     r = run("pack", small, "-o", tmp_path / "p", *args)
@@ -170,3 +172,51 @@ def test_stats_oversize(small):
                                   "use --oversize skip to drop such sequences\n"))
     r = run("stats", small, "--capacity", "6", "--oversize", "skip", "--json")
     assert r.code == 0 and json.loads(r.out)["n_packs"] == 1  # a, b, c: 1 2 3 4 5 9
+
+
+def test_a_damaged_or_foreign_shard_and_an_output_inside_the_pack_directory(small, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "packs"
+    assert run("pack", small, "--capacity", "10", "-o", out).code == 0
+    shard = out / read_manifest(out)["shards"][0]["file"]
+    r = run("unpack", out, "-o", shard)  # would replace the shard it reads
+    assert r.code == 2 and "write it outside the pack directory" in r.err
+    good = shard.read_bytes()
+    shard.write_bytes(good[:200])
+    for command in (("unpack", out, "-o", tmp_path / "x.jsonl"), ("stats", out)):
+        r = run(*command)
+        assert r.code == 1 and r.err.startswith(f"Error: {shard}: not a readable Parquet shard (") and r.err.count("\n") == 1
+    pq.write_table(pa.table({"a": [1]}), shard)
+    r = run("unpack", out, "-o", tmp_path / "x.jsonl")
+    assert (r.code, r.err) == (1, f"Error: {shard}: not a treepack pack shard (no column 'input_ids')\n")
+
+
+def test_unpack_to_parquet_of_an_integer_beyond_int64_is_one_line(tmp_path):
+    src = tmp_path / "big.jsonl"
+    src.write_text('{"input_ids": [1], "big": 123456789012345678901234567890}\n')
+    assert run("pack", src, "--capacity", "8", "-o", tmp_path / "p").code == 0
+    r = run("unpack", tmp_path / "p", "-o", tmp_path / "big.parquet")
+    assert r.code == 1 and r.err.startswith("Error: the records do not fit one Parquet schema (")
+    assert r.err.endswith("; write .jsonl instead\n")
+    assert run("unpack", tmp_path / "p", "-o", tmp_path / "big.jsonl").code == 0
+
+
+def test_report_with_oversize_error_stops_as_pack_does(small, tmp_path):
+    r = run("report", small, "-o", tmp_path / "r.html", "--capacity", "6", "--oversize", "error")
+    assert r.code == 1 and r.err.endswith("has 8 tokens > capacity 6; use --oversize skip to drop such sequences\n")
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_a_dictionary_encoded_tree_id_column_reads_and_round_trips(tmp_path):
+    """pandas writes categoricals as dictionary columns: their values are strings like any other tree_id."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pa.table({"input_ids": [[1, 2, 3], [1, 2, 4], [5, 6]], "tree_id": pa.array(["a", "a", "b"]).dictionary_encode()})
+    pq.write_table(t, tmp_path / "c.parquet")
+    assert read_rollouts(tmp_path / "c.parquet").group_names == ["a", "b"]
+    assert run("pack", tmp_path / "c.parquet", "-c", "100", "-o", tmp_path / "p").code == 0
+    assert run("unpack", tmp_path / "p", "-o", tmp_path / "b.parquet").code == 0
+    assert pq.read_table(tmp_path / "b.parquet").equals(t)

@@ -314,3 +314,16 @@ def test_a_template_that_renders_a_turn_to_nothing_is_the_records_error(tmp_path
         assert (res.code, res.err) == (1, message)
     skip = run("stats", src, "--tokenizer", tok, "--on-error", "skip", "-q")
     assert (skip.code, skip.err) == (1, f"Error: {src}: no sequences to analyse: 1 bad record(s) skipped (1 empty render)\n")
+
+
+def test_pack_with_a_tokenizer_keeps_every_field_tokenize_writes(tok_dir, tmp_path):
+    """pack --tokenizer renders as tokenize does, and unpack gives tokenize's records back, carried fields too."""
+    src = jsonl(tmp_path / "c.jsonl", [{"messages": CONV, "task_id": 7, "info": {"k": [1, "x"]}, "reward": 0.5},
+                                       {"messages": CONV[:3], "task_id": 8, "trial": "t1"}])
+    assert run("tokenize", src, "--tokenizer", tok_dir, "-o", tmp_path / "tk.jsonl").code == 0
+    assert run("pack", src, "--tokenizer", tok_dir, "-c", "4K", "-o", tmp_path / "packs").code == 0
+    assert run("unpack", tmp_path / "packs", "-o", tmp_path / "back.jsonl").code == 0
+    read = lambda p: [json.loads(line) for line in p.read_text().splitlines()]  # noqa: E731
+    tokenized, back = read(tmp_path / "tk.jsonl"), read(tmp_path / "back.jsonl")
+    assert back == tokenized and [list(r) for r in back] == [list(r) for r in tokenized]
+    assert {"task_id", "info", "reward", "conversation", "turn"} <= set(back[0])

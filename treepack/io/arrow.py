@@ -163,6 +163,8 @@ def _ingest_table(
         if field_name not in cols:
             return None
         col = table.column(field_name).combine_chunks()
+        if pa.types.is_dictionary(col.type):  # pandas categoricals: the values are what counts
+            col = col.dictionary_decode()
         if pa.types.is_null(col.type):
             return None
         ok = {

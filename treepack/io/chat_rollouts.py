@@ -98,6 +98,17 @@ class ChatRecords:
         """The records to use: consistent with ``keep_prefix_tokens``, fresh otherwise."""
         return self.consistent if self.options.keep_prefix_tokens else self.fresh
 
+    def rollouts_with_records(self) -> Rollouts:
+        """`rollouts` with each record kept as `iter_chat_records` writes it (``Rollouts.extras``): what `pack`
+        puts in its shards for `unpack`, the same records `treepack tokenize` writes."""
+        from treepack.io.extras import CARRY_MASK_INT, CARRY_TOKENS, Extras, template
+
+        r = self.rollouts
+        carry = CARRY_TOKENS | CARRY_MASK_INT
+        r.extras = Extras(tokens_field="input_ids", carry=np.full(len(r), carry, dtype=np.uint8),
+                          templates=[template(rec, "input_ids", carry) for rec in iter_chat_records(self)])
+        return r
+
     @property
     def total(self) -> DriftStats:
         out = DriftStats()

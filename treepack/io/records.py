@@ -47,7 +47,7 @@ def to_arrow(r: Rollouts) -> pa.Table:
         keys = list(dict.fromkeys(k for row in rows for k in row))  # every key, in first-seen order
         try:
             return pa.table({k: pa.array([row.get(k) for row in rows]) for k in keys})
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:  # Overflow: an integer beyond int64
             raise TreepackError(f"the records do not fit one Parquet schema ({exc}); write .jsonl instead") from None
     cols: dict[str, pa.Array] = {}
     off32 = pa.array(r.offsets, type=pa.int64())

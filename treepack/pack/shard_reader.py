@@ -115,14 +115,30 @@ def _shard_files(path: Path, manifest: dict) -> list[Path]:
     return files
 
 
+# columns every pack shard has (DESIGN §6): a Parquet file without them is not one
+SHARD_COLUMNS = ("input_ids", "position_ids", "parent", "subtree_end", "scale", "loss_weight", "seq_leaf",
+                 "seq_ids", "seq_index", "pack_index", "n_real")
+
+
+def _read_shard(f: Path, keep: Callable[[str], bool]) -> pa.Table:
+    """The columns ``keep`` names of one shard; a file that is not Parquet (cut short, another file) is an
+    input error naming it."""
+    try:
+        return pq.read_table(f, columns=[n for n in pq.read_schema(f).names if keep(n)])
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(f"{f}: not a readable Parquet shard ({str(exc).splitlines()[0]})") from None
+
+
 def read_packs(path: str | Path) -> Iterator[Pack]:
     """Yield every pack of a packed directory as a ``Pack`` of numpy arrays, in pack order."""
     path = Path(path)
     manifest = read_manifest(path)
     enc = manifest["id_encoding"]
     for f in _shard_files(path, manifest):
-        names = [n for n in pq.read_schema(f).names if not _is_record_column(n)]
-        table = pq.read_table(f, columns=names)
+        table = _read_shard(f, lambda n: not _is_record_column(n))
+        missing = [n for n in SHARD_COLUMNS if n not in table.column_names]
+        if missing:
+            raise InputError(f"{f}: not a treepack pack shard (no column {missing[0]!r})")
         cols = {name: _list_column(table, name) for name in table.column_names
                 if pa.types.is_list(table.schema.field(name).type)}
         scalars = {name: table.column(name).to_pylist() for name in table.column_names if name not in cols}
@@ -142,8 +158,9 @@ def _read_extras(path: Path, manifest: dict, order: np.ndarray) -> Extras | None
         return None
     carry, parts = [], []
     for f in _shard_files(path, manifest):
-        names = [n for n in pq.read_schema(f).names if _is_record_column(n)]
-        table = pq.read_table(f, columns=names)
+        table = _read_shard(f, _is_record_column)
+        if "seq_carry" not in table.column_names:
+            raise InputError(f"{f}: not a treepack pack shard (no column 'seq_carry')")
         carry.append(np.asarray(table.column("seq_carry").combine_chunks().flatten(), dtype=np.uint8))
         rest = table.drop_columns(["seq_carry"])
         parts.append(pa.table({n: rest.column(n).combine_chunks().flatten() for n in rest.column_names}))

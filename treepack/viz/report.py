@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from treepack import __version__
-from treepack.errors import TreepackError
+from treepack.errors import CapacityError, TreepackError
 from treepack.io.rollouts import Rollouts
 from treepack.pack.strategies import STRATEGIES, Packing, pack_sequences
 from treepack.stats import DEFAULT_MODEL, TreeStats, compute_stats
@@ -84,6 +84,8 @@ def compare_strategies(
         try:
             out.append(StrategyResult(name, pack_sequences(rollouts, capacity, strategy=name, group_by=group_by,
                                                            oversize=oversize, tree=tree)))
+        except CapacityError:  # oversize="error": a sequence over the capacity stops the report, as in pack
+            raise
         except TreepackError as exc:
             out.append(StrategyResult(name, error=str(exc)))
     return out
