@@ -323,7 +323,7 @@ def test_pack_with_a_tokenizer_keeps_every_field_tokenize_writes(tok_dir, tmp_pa
     assert run("tokenize", src, "--tokenizer", tok_dir, "-o", tmp_path / "tk.jsonl").code == 0
     assert run("pack", src, "--tokenizer", tok_dir, "-c", "4K", "-o", tmp_path / "packs").code == 0
     assert run("unpack", tmp_path / "packs", "-o", tmp_path / "back.jsonl").code == 0
-    read = lambda p: [json.loads(line) for line in p.read_text().splitlines()]  # noqa: E731
+    read = lambda p: [json.loads(line) for line in p.read_text().splitlines()]
     tokenized, back = read(tmp_path / "tk.jsonl"), read(tmp_path / "back.jsonl")
     assert back == tokenized and [list(r) for r in back] == [list(r) for r in tokenized]
     assert {"task_id", "info", "reward", "conversation", "turn"} <= set(back[0])
