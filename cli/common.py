@@ -35,6 +35,7 @@ err_console = _Console(stderr=True, highlight=False, soft_wrap=True)
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print ``Error: message`` on stderr (one line, no markup) and return the exit to raise."""
+    message = message.removeprefix("Error ").removeprefix("Error: ")  # a library's own "Error no file named ..."
     sys.stderr.write(f"Error: {message}\n")
     sys.stderr.flush()
     return typer.Exit(code)

@@ -119,7 +119,14 @@ def test_train_prints_the_block_at_the_start(tmp_path):
 
     r = cli("train", write_config(tmp_path, mode="dfs", out="dfs", steps=1))
     assert r.code == 0, r.err
-    assert 'dfs: calls of up to 8,192 tokens (dfs_block_size = "auto" off a GPU)' in r.out.splitlines()
+    lines = r.out.splitlines()
+    assert 'dfs: calls of up to 8,192 tokens (dfs_block_size = "auto" off a GPU)' in lines
+    assert lines.index('dfs: calls of up to 8,192 tokens (dfs_block_size = "auto" off a GPU)') > next(
+        i for i, line in enumerate(lines) if line.startswith("treepack train: dfs mode"))  # after the banner
+    # graphs asked for where they cannot run: said on that line, not as a Python warning from inside a step
+    r = cli("train", write_config(tmp_path, mode="dfs", out="g", steps=1, extra="dfs_cuda_graphs = true\ndfs_block_size = 64\n"))
+    assert r.code == 0 and "RuntimeWarning" not in r.err
+    assert "dfs: calls of up to 64 tokens (dfs_block_size); dfs_cuda_graphs is off: not on CUDA" in r.out.splitlines()
 
 
 @pytest.mark.gpu

@@ -232,7 +232,7 @@ class OutputConfig:
     dir: str = "runs/train"  # run directory: checkpoint/, metrics.jsonl
     save_every: int = 0  # save a checkpoint every N steps (0 = only at the end)
     resume: bool = True  # continue from dir/checkpoint when it exists
-    metrics: str = "metrics.jsonl"  # per-step metrics (JSON lines) inside dir; "" = none
+    metrics: str = "metrics.jsonl"  # per-step metrics (JSON lines), relative to dir (an absolute path as is); "" = none
     log_every: int = 1  # print the step line every N steps
 
     def __post_init__(self) -> None:

@@ -475,7 +475,8 @@ def train(
     for line in banner(cfg, model, packs, device, param_dtype, autocast_dtype):
         log(line)
     if isinstance(mode, DfsMode):  # how large its calls may be (on this GPU), and why
-        log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
+        with autocast:
+            log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
     if model.uses_compiled(device) or (device.type == "cuda" and cfg.train.mode not in ("dense", "dense-leaf")):
         log("the first steps compile the kernels (torch.compile, Triton autotuning): expect them to take "
             "tens of seconds longer than the rest")

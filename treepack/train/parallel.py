@@ -153,7 +153,8 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
                           kl_coef=cfg.train.loss.kl_coef)
     mode = build_mode(cfg)
     if isinstance(mode, DfsMode):  # an auto block is sized for the whole model's state: errs small when sharded
-        log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
+        with autocast:
+            log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
     flops = flop_model(model.args)
     accumulation = Accumulation(model)
     params = list(model.parameters())

@@ -29,10 +29,9 @@ per-call path has no host sync, nor has a pack's start, whose uploads go through
 (tests/test_host_sync_gpu.py), yet a call of a few thousand tokens does not hide it. So the schedule makes
 few calls (anchors merged into grad calls, pops of one path merged), the attention forward is not
 recomputed under a memory budget, and each call's parameter gradients are summed with one multi-tensor add
-(`_GradSum`; under working weights, `treepack.train.working_weights`, the matrices' by hooks and the embedding's
-and head's in place). On an H100 a tau-bench step (144 records, B=8192, budget 0.7, 10
-calls, attention auto) took 0.995-1.007 s at 12.66 GiB, the GPU busy ~0.85-0.94 s of it
-(benchmarks/results/2026-11-26-dfs-host-h100.md).
+(`_GradSum`; under working weights the matrices' by hooks, the embedding's and head's in place). On an H100 a
+tau-bench step (144 records, B=8192, budget 0.7, 10 calls, attention auto) took 0.995-1.007 s at 12.66 GiB, the
+GPU busy ~0.85-0.94 s of it (benchmarks/results/2026-11-26-dfs-host-h100.md).
 With ``cuda_graphs`` (`train.dfs_cuda_graphs`, `dfs_graphs`) a call shape met again is replayed from a CUDA
 graph: the host queues a step in ~0.75 s of ~0.94, GPU-bound at 1.07x (exact shapes) to 1.12x (bucketed) tree
 mode, ~1.8 GiB more (2026-11-26-dfs-bwd-order-h100.md). Each call's FA4 backward order is chosen from its
@@ -63,13 +62,7 @@ from treepack.train.model import Decoder
 from treepack.train.modes.base import LayoutError, Mode, ModeResult, row_dtype
 from treepack.train.modes.dfs_graphs import CallGraphs, call_scalars, padded_inputs, unsupported_reason
 from treepack.train.modes.dfs_memory import AutoBlock
-from treepack.train.modes.dfs_schedule import (
-    MERGE_ANCHOR_TOKENS,
-    ORDERS,
-    Schedule,
-    Step,
-    plan,
-)
+from treepack.train.modes.dfs_schedule import MERGE_ANCHOR_TOKENS, ORDERS, Schedule, Step, plan
 from treepack.train.transfer import to_device
 from treepack.train.working_weights import head_copy
 
@@ -295,12 +288,14 @@ class DfsMode(Mode):
             extra_tokens=self.merge_anchor_tokens + self.keep_tokens)
 
     def describe_block(self, model: Decoder, packs: list[Pack], compute_dtype: torch.dtype) -> str:
-        """The start line: the block and, for an auto one, why (`AutoBlock.describe`)."""
+        """The start line (under the loop's autocast): the block, why for an auto one, and graphs that cannot run."""
+        self._graphs_off = unsupported_reason(model, self.attention) if self.cuda_graphs else None
+        off = f"; dfs_cuda_graphs is off: {self._graphs_off}" if self._graphs_off else ""
         if self.auto is None:
             return (f"dfs: calls of up to {self.block_size:,} tokens (dfs_block_size)" if self.block_size else
-                    "dfs: each pack in one call (dfs_block_size = 0: unlimited)")
-        return self.auto.describe(model, packs, chunk_rows=self.chunk_rows, graphs=self.cuda_graphs,
-                                  extra_tokens=self.merge_anchor_tokens + self.keep_tokens, compute_dtype=compute_dtype)
+                    "dfs: each pack in one call (dfs_block_size = 0: unlimited)") + off
+        return self.auto.describe(model, packs, chunk_rows=self.chunk_rows, graphs=self.cuda_graphs and not off,
+                                  extra_tokens=self.merge_anchor_tokens + self.keep_tokens, compute_dtype=compute_dtype) + off
 
     def graphs_for(self, model: Decoder, schedule: Schedule) -> CallGraphs | None:
         """The CUDA graphs that run this pack's anchor and grad calls (None: they run eagerly; `dfs_graphs`)."""
