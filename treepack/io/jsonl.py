@@ -40,6 +40,7 @@ from treepack.io.extras import (
     mask_carry,
     template,
 )
+from treepack.io.json_keys import Duplicated, pairs_to_dict, repeated_key, repeats_a_key
 from treepack.io.rollouts import GROUP_ALIASES, INT32_MAX, INT64_MAX, TOKEN_ALIASES, Progress
 from treepack.io.streams import StreamError, iter_blocks
 
@@ -150,33 +151,10 @@ def json_error_text(exc: ValueError) -> str:
     return f"malformed JSON ({exc.msg}{at} {exc.colno})"
 
 
-class _Duplicated(dict):
-    """An object that named a key twice (json keeps the last value, simdjson the first): the record's error."""
-
-    __slots__ = ("key",)
-
-
-def _pairs(pairs: list) -> dict:
-    d = dict(pairs)
-    if len(d) == len(pairs):
-        return d
-    seen, out = set(), _Duplicated(d)
-    out.key = next(k for k, _ in pairs if k in seen or seen.add(k))
-    return out
-
-
 def duplicate_error(value) -> _RecordError | None:
-    """The error of a parsed record holding an object with a key named twice, at any depth (None: none)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, _Duplicated):
-            return _RecordError("duplicate key", f"key '{v.key}' appears twice in one object")
-        if isinstance(v, dict):
-            stack.extend(x for x in v.values() if isinstance(x, (dict, list)))
-        elif isinstance(v, list):
-            stack.extend(x for x in v if isinstance(x, (dict, list)))
-    return None
+    """The record's error if it holds an object naming a key twice (`treepack.io.json_keys`)."""
+    key = repeated_key(value)
+    return None if key is None else _RecordError("duplicate key", f"key '{key}' appears twice in one object")
 
 
 def _loads(raw: bytes, *, whole: bool = True):
@@ -185,8 +163,8 @@ def _loads(raw: bytes, *, whole: bool = True):
     found: list = []
 
     def hook(pairs):
-        d = _pairs(pairs)
-        if type(d) is _Duplicated:
+        d = pairs_to_dict(pairs)
+        if type(d) is Duplicated:
             found.append(d)
         return d
 
@@ -352,8 +330,8 @@ class _Reader:
         except Exception:  # noqa: BLE001 (malformed, NaN, huge numbers, ...: the precise path says what)
             raise _Slow from None
         try:
-            # a key named twice (here, or in a nested object, which the precise path checks): the precise path
-            if not isinstance(obj, simdjson.Object) or len(set(obj.keys())) != len(obj) or raw.count(b"{") > 1:
+            # a key named twice anywhere: the precise path says which (the token lists are checked by as_buffer)
+            if not isinstance(obj, simdjson.Object) or repeats_a_key(obj, (*self.names, "loss_mask", "logprobs")):
                 raise _Slow
             tf = next((n for n in self.names if n in obj), None)
             if tf is None:

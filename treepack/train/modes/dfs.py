@@ -37,7 +37,8 @@ graph: the host queues a step in ~0.75 s of ~0.94, GPU-bound at 1.07x (exact sha
 mode, ~1.8 GiB more (2026-11-26-dfs-bwd-order-h100.md). Each call's FA4 backward order is chosen from its
 subtree ends on the host (the cached prefix's key blocks are the longest CTAs; `fa4.tail_share`).
 Prefer the largest block the memory allows (``block_size="auto"``, the `treepack train` default, plans it per pack
-from the GPU's memory: `dfs_memory`): a smaller one anchors each leaf's tail beyond one block and adds calls (B=6144: 19 calls, 1.88 s; B=4096: 28 calls, 27% of the tokens anchored, 2.53 s on an H200;
+from the GPU's memory: `dfs_memory`): a smaller one anchors each leaf's tail beyond one block and adds calls
+(B=6144: 19 calls, 1.88 s; B=4096: 28 calls, 27% of the tokens anchored, 2.53 s on an H200;
 2026-11-25-dfs-host-bound-h200.md); where memory is short, ``train.activation_memory_budget`` below 1 lets
 the compiled layers recompute instead of saving, which costs less than a smaller block; a larger block at
 a lower budget makes fewer calls (B=16384 at 0.4: 6 calls) but needed 17.27 GiB.
