@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from treepack.cli.common import check_choice, console, err_console
+from treepack.cli.common import REASONING_OPTION, TURNS_OPTION, check_choice, console, err_console
 
 from treepack.io.chat_rollouts import (
     REASONING,
@@ -44,8 +44,10 @@ def template_args(values: list[str]) -> dict:
     return out
 
 
-def chat_options(*, turns: str = "all", reasoning: str = "template", no_system: bool = False, no_tools: bool = False,
-                 keep_prefix_tokens: bool = False, template_arg: list[str] | None = None) -> ChatOptions:
+def chat_options(*, turns: str = TURNS_OPTION.default, reasoning: str = REASONING_OPTION.default,
+                 no_system: bool = False, no_tools: bool = False, keep_prefix_tokens: bool = False,
+                 template_arg: list[str] | None = None) -> ChatOptions:
+    """ChatOptions of tokenize's rendering options (`CHAT_OPTIONS`); a bad value is a usage error (exit 2)."""
     check_choice(turns, TURNS, "--turns")
     check_choice(reasoning, REASONING, "--reasoning")
     return ChatOptions(turns=turns, reasoning=reasoning, system=not no_system, tools=not no_tools,

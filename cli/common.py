@@ -1,8 +1,9 @@
-"""What every command shares: error mapping, consoles, size options.
+"""What every command shares: error mapping, consoles, choice checks, the chat rendering options.
 
 Library errors (``TreepackError``) and the system's (``OSError``: ``FILE: Permission denied``) become
 ``Error: <message>`` on stderr and exit 1; usage errors are typer's (exit 2). Commands never print
-tracebacks for bad input.
+tracebacks for bad input. `CHAT_OPTIONS` are tokenize's rendering options, defined here once for it and
+for every command that takes ``--tokenizer`` (kept out of ``chat_inputs``, which loads the chat reader).
 """
 
 from __future__ import annotations
@@ -71,3 +72,16 @@ def check_choice(value: str, choices: Collection[str], option: str) -> None:
     """Usage error (exit 2) naming the option, its valid values and the value given."""
     if value not in choices:
         raise typer.BadParameter(f"must be one of {', '.join(choices)}, got {value!r}", param_hint=option)
+
+
+# tokenize's rendering options, the same (names, defaults, help) on every command with --tokenizer: a command
+# takes them as ``turns: str = TURNS_OPTION`` (typer copies an option object for each command that uses it)
+TURNS_OPTION = typer.Option("all", "--turns", help="A record for every assistant turn (all) or the last only (last).")
+REASONING_OPTION = typer.Option("template", "--reasoning", help="Earlier turns' reasoning: template (as the chat "
+                                "template renders it), drop, or keep (as generated: implies --keep-prefix-tokens).")
+NO_SYSTEM_OPTION = typer.Option(False, "--no-system", help="Leave system messages out.")
+NO_TOOLS_OPTION = typer.Option(False, "--no-tools", help="Do not pass the records' tool schemas to the template.")
+TEMPLATE_ARG_OPTION = typer.Option([], "--template-arg", help="KEY=VALUE template variable, e.g. "
+                                   "enable_thinking=false (repeatable).")
+CHAT_OPTIONS = {"turns": TURNS_OPTION, "reasoning": REASONING_OPTION, "no_system": NO_SYSTEM_OPTION,
+                "no_tools": NO_TOOLS_OPTION, "template_arg": TEMPLATE_ARG_OPTION}  # parameter name -> option

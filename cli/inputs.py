@@ -9,7 +9,7 @@ import os
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-from treepack.cli.common import err_console
+from treepack.cli.common import CHAT_OPTIONS, err_console
 
 from treepack.errors import TreepackError
 from treepack.io.ingest import expand_paths
@@ -81,17 +81,22 @@ def report_skipped_files(r: Rollouts) -> None:
         err_console.print(f"  ... and {n - MAX_LISTED_FILES} more (--json lists them all)", markup=False)
 
 
-def chat_input(tokenizer, keep_prefix_tokens: bool, tokens_field: str | None):
-    """ChatOptions for ``--tokenizer`` / ``--keep-prefix-tokens`` (None: the input is token records)."""
+def chat_input(tokenizer, keep_prefix_tokens: bool, tokens_field: str | None, **rendering):
+    """ChatOptions for ``--tokenizer``, ``--keep-prefix-tokens`` and tokenize's rendering options (``rendering``:
+    the values of `CHAT_OPTIONS` by parameter name). None: the input is token records, and any of those options
+    set (to other than its default) is a usage error naming it."""
     if tokenizer is None:
         if keep_prefix_tokens:
             raise typer.BadParameter("needs --tokenizer", param_hint="--keep-prefix-tokens")
+        for name, option in CHAT_OPTIONS.items():
+            if rendering.get(name, option.default) != option.default:  # as --keep-prefix-tokens: set, not default
+                raise typer.BadParameter("needs --tokenizer", param_hint=option.param_decls[0])
         return None
     if tokens_field is not None:
         raise typer.BadParameter("names a token column; --tokenizer reads chat transcripts", param_hint="--tokens-field")
-    from treepack.io.chat_rollouts import ChatOptions
+    from treepack.cli.chat_inputs import chat_options
 
-    return ChatOptions(keep_prefix_tokens=keep_prefix_tokens)
+    return chat_options(keep_prefix_tokens=keep_prefix_tokens, **rendering)
 
 
 def size_option(text: str, option: str, what: str) -> int:

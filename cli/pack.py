@@ -9,7 +9,18 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from treepack.cli.common import check_choice, console, err_console, handle_errors, nothing_read
+from treepack.cli.common import (
+    NO_SYSTEM_OPTION,
+    NO_TOOLS_OPTION,
+    REASONING_OPTION,
+    TEMPLATE_ARG_OPTION,
+    TURNS_OPTION,
+    check_choice,
+    console,
+    err_console,
+    handle_errors,
+    nothing_read,
+)
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
     TOKENIZER_HELP,
@@ -51,6 +62,11 @@ def pack(
     tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
     keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help=KEEP_PREFIX_HELP),
+    turns: str = TURNS_OPTION,
+    reasoning: str = REASONING_OPTION,
+    no_system: bool = NO_SYSTEM_OPTION,
+    no_tools: bool = NO_TOOLS_OPTION,
+    template_arg: list[str] = TEMPLATE_ARG_OPTION,
     on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ) -> None:
@@ -75,11 +91,12 @@ def pack(
     pack_cap = cap if pad_to is None else cap // pad_to * pad_to
     if pack_cap <= 0:
         raise typer.BadParameter(f"--pad-to {pad_to} is larger than the capacity {cap:,}", param_hint="--pad-to")
+    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, turns=turns, reasoning=reasoning,
+                      no_system=no_system, no_tools=no_tools, template_arg=template_arg)
     out = Path(output)
     check_output_dir(out)  # before the work, not after it
 
     t0 = time.perf_counter()
-    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field)
     rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,
                                   tokenizer=tokenizer, chat=chat, keep_records=True)
     if len(rollouts) == 0:
@@ -95,11 +112,15 @@ def pack(
     options = {"--capacity": capacity, "-o": output, "--strategy": strategy, "--pad-to": pad_to,
                "--shard-size": shard_size, "--balance": balance, "--balance-cost": balance_cost, "--model": model,
                "--oversize": oversize, "--group-by": group_by, "--tokens-field": tokens_field, "--on-error": on_error,
-               "--tokenizer": tokenizer, "--keep-prefix-tokens": keep_prefix_tokens or None}
+               "--tokenizer": tokenizer, "--keep-prefix-tokens": keep_prefix_tokens or None, "--turns": turns,
+               "--reasoning": reasoning, "--no-system": no_system or None, "--no-tools": no_tools or None,
+               "--template-arg": template_arg}  # a list: the option once per value
     defaults = {"--strategy": "best", "--shard-size": DEFAULT_SHARD_SIZE, "--balance-cost": "tokens",
-                "--model": DEFAULT_MODEL, "--oversize": "error", "--group-by": "none", "--on-error": "raise"}
+                "--model": DEFAULT_MODEL, "--oversize": "error", "--group-by": "none", "--on-error": "raise",
+                "--turns": TURNS_OPTION.default, "--reasoning": REASONING_OPTION.default}
     command = " ".join(["treepack pack", *map(_quote, files)] + [
-        k if v is True else f"{k} {_quote(str(v))}" for k, v in options.items() if v is not None and defaults.get(k) != v])
+        k if x is True else f"{k} {_quote(str(x))}" for k, v in options.items() if v is not None and defaults.get(k) != v
+        for x in (v if isinstance(v, list) else [v])])
     kwargs = {"pad_to": pad_to, "shard_size": shard_size, "balance": balance, "balance_cost": balance_cost,
               "model": model, "group_by": group_by, "stats": st, "command": command}
     if quiet or p.n_packs < PROGRESS_MIN_PACKS:

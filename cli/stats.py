@@ -8,7 +8,18 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
-from treepack.cli.common import check_choice, console, err_console, handle_errors, nothing_read
+from treepack.cli.common import (
+    NO_SYSTEM_OPTION,
+    NO_TOOLS_OPTION,
+    REASONING_OPTION,
+    TEMPLATE_ARG_OPTION,
+    TURNS_OPTION,
+    check_choice,
+    console,
+    err_console,
+    handle_errors,
+    nothing_read,
+)
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
     TOKENIZER_HELP,
@@ -87,6 +98,11 @@ def stats(
     tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP + " Adds the drift report."),
     keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help=KEEP_PREFIX_HELP),
+    turns: str = TURNS_OPTION,
+    reasoning: str = REASONING_OPTION,
+    no_system: bool = NO_SYSTEM_OPTION,
+    no_tools: bool = NO_TOOLS_OPTION,
+    template_arg: list[str] = TEMPLATE_ARG_OPTION,
     on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
     group_by: str = typer.Option("none", "--group-by", help="Sharing scope: none (whole input) or tree_id."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help=f"Model shape for the FLOP model: {', '.join(MODEL_SHAPES)}."),
@@ -123,7 +139,8 @@ def stats(
         if value is not None and cap is None:
             raise typer.BadParameter("needs --capacity", param_hint=flag)
     # stats (and its packing and figures) read tokens and loss masks: log-probs are validated, not kept
-    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field)
+    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, turns=turns, reasoning=reasoning,
+                      no_system=no_system, no_tools=no_tools, template_arg=template_arg)
     drift = None
     if chat is None:
         rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,

@@ -22,7 +22,18 @@ from treepack.cli.chat_inputs import (
     report_skipped,
     share,
 )
-from treepack.cli.common import check_choice, console, err_console, handle_errors, nothing_read
+from treepack.cli.common import (
+    NO_SYSTEM_OPTION,
+    NO_TOOLS_OPTION,
+    REASONING_OPTION,
+    TEMPLATE_ARG_OPTION,
+    TURNS_OPTION,
+    check_choice,
+    console,
+    err_console,
+    handle_errors,
+    nothing_read,
+)
 
 from treepack.errors import TreepackError
 from treepack.io.chat_rollouts import ChatOptions, ChatRecords, write_chat_records
@@ -36,15 +47,13 @@ def tokenize(
                                                 "tau2 results), .parquet, a directory, or - for stdin."),
     tokenizer: Path = typer.Option(..., "--tokenizer", help="Tokenizer directory: tokenizer.json and a chat template."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Records to write: .jsonl, .jsonl.gz or .parquet."),
-    turns: str = typer.Option("all", "--turns", help="A record for every assistant turn (all) or the last only (last)."),
-    reasoning: str = typer.Option("template", "--reasoning", help="Earlier turns' reasoning: template (as the chat "
-                                  "template renders it), drop, or keep (as generated: implies --keep-prefix-tokens)."),
-    no_system: bool = typer.Option(False, "--no-system", help="Leave system messages out."),
-    no_tools: bool = typer.Option(False, "--no-tools", help="Do not pass the records' tool schemas to the template."),
+    turns: str = TURNS_OPTION,
+    reasoning: str = REASONING_OPTION,
+    no_system: bool = NO_SYSTEM_OPTION,
+    no_tools: bool = NO_TOOLS_OPTION,
     keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help="Each turn = the previous turn's tokens "
                                             "through its end-of-turn token + the newly rendered rest (exact sharing)."),
-    template_arg: list[str] = typer.Option([], "--template-arg", help="KEY=VALUE template variable, e.g. "
-                                           "enable_thinking=false (repeatable)."),
+    template_arg: list[str] = TEMPLATE_ARG_OPTION,
     drift: bool = typer.Option(False, "--drift", help="Print the drift report per input and the first divergences."),
     verify: int = typer.Option(0, "--verify", help="Check the records of the first N conversations against "
                                "transformers' apply_chat_template (needs transformers)."),

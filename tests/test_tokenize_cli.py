@@ -327,3 +327,92 @@ def test_pack_with_a_tokenizer_keeps_every_field_tokenize_writes(tok_dir, tmp_pa
     tokenized, back = read(tmp_path / "tk.jsonl"), read(tmp_path / "back.jsonl")
     assert back == tokenized and [list(r) for r in back] == [list(r) for r in tokenized]
     assert {"task_id", "info", "reward", "conversation", "turn"} <= set(back[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenize's rendering options on every command with --tokenizer: the same records as tokenize writes
+
+SAMPLES = ROOT / "datasets" / "samples"
+CHAT_SAMPLE, CHAT_TOKENIZER = SAMPLES / "tau_bench_chats.json.gz", SAMPLES / "chat_tokenizer"
+DEFAULTS = {"sample": (124, 519_380, 18_619), "thinking": (124, 523_380, 20_123)}  # tokenize's, no options
+RENDERINGS = [  # (input, options, tokenize's (records, n_tokens, n_trained_tokens) with them)
+    # enable_thinking=false puts Qwen3's empty <think> block into the generation prompt: out of the loss
+    ("sample", ("--reasoning", "drop", "--template-arg", "enable_thinking=false"), (124, 519_380, 18_123)),
+    ("thinking", ("--reasoning", "drop"), (124, 520_884, 20_123)),  # earlier turns' reasoning out of the history
+    ("sample", ("--turns", "last", "--no-system", "--no-tools"), (8, 50_060, 522)),
+    ("sample", ("--reasoning", "keep"), (124, 523_152, 18_619)),  # keep-prefix records: each extends the last
+]
+
+
+@pytest.fixture(scope="module")
+def chat_inputs(tmp_path_factory):
+    """The bundled chat sample, and the same with reasoning in every assistant turn (the sample has none)."""
+    with gzip.open(CHAT_SAMPLE, "rt") as f:
+        results = json.load(f)
+    turns = [m for r in results for m in r["traj"] if m.get("role") == "assistant"]
+    for i, m in enumerate(turns):
+        m["reasoning_content"] = f"step {i + 1}: what the customer needs next"
+    thinking = tmp_path_factory.mktemp("chats") / "thinking.json"
+    thinking.write_text(json.dumps(results))
+    return {"sample": CHAT_SAMPLE, "thinking": thinking}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_renderings_compared_differ_from_the_default_one(chat_inputs):
+    for name, src in chat_inputs.items():
+        d = json.loads(run("tokenize", src, "--tokenizer", CHAT_TOKENIZER, "--json", "-q").out)
+        assert (d["records"], d["n_tokens"], d["n_trained_tokens"]) == DEFAULTS[name]
+    assert all(counts != DEFAULTS[name] for name, _, counts in RENDERINGS)
+
+
+@pytest.mark.parametrize("name, options, counts", RENDERINGS, ids=[" ".join(r[1]) for r in RENDERINGS])
+def test_stats_and_pack_with_a_tokenizer_take_tokenizes_rendering_options(chat_inputs, tmp_path, name, options, counts):
+    src, tok = chat_inputs[name], CHAT_TOKENIZER
+    res = run("tokenize", src, "--tokenizer", tok, *options, "-o", tmp_path / "tk.jsonl", "--json", "-q")
+    assert res.code == 0, res.err
+    summary = json.loads(res.out)
+    assert (summary["records"], summary["n_tokens"], summary["n_trained_tokens"]) == counts
+    assert summary["keep_prefix_tokens"] == ("keep" in options)
+
+    chat = run("stats", src, "--tokenizer", tok, *options, "--group-by", "tree_id", "--json", "-q")
+    records = run("stats", tmp_path / "tk.jsonl", "--group-by", "tree_id", "--json", "-q")
+    assert chat.code == records.code == 0, chat.err + records.err
+    d, direct = json.loads(chat.out), json.loads(records.out)
+    assert (d["n_sequences"], d["n_flat_tokens"]) == counts[:2]
+    assert d.pop("drift")["records"] == counts[0]
+    assert d == direct  # every number: tree tokens, C, POR, the FLOP model (which counts the loss targets) ...
+
+    packs = tmp_path / "packs"
+    assert run("pack", src, "--tokenizer", tok, *options, "-c", "16K", "-o", packs, "-q").code == 0
+    m = json.loads((packs / "manifest.json").read_text())
+    assert m["stats"]["packed_flat_tokens"] == counts[1] and m["counts"]["packed_sequences"] == counts[0]
+    assert m["command"] == " ".join(["treepack pack", str(src), "--capacity 16K", f"-o {packs}", f"--tokenizer {tok}",
+                                     *options])
+    assert run("unpack", packs, "-o", tmp_path / "back.jsonl").code == 0
+    back, tokenized = read_jsonl(tmp_path / "back.jsonl"), read_jsonl(tmp_path / "tk.jsonl")
+    assert back == tokenized and [list(r) for r in back] == [list(r) for r in tokenized]
+
+
+def test_report_takes_the_rendering_options(tmp_path):
+    opts = ("--turns", "last", "--no-system", "--template-arg", "enable_thinking=false", "-q")
+    res = run("report", CHAT_SAMPLE, "--tokenizer", CHAT_TOKENIZER, "-o", tmp_path / "r.html", "--no-packing", *opts)
+    assert res.code == 0, res.err
+    assert "50,060" in (tmp_path / "r.html").read_text()  # N_flat: the 8 last turns without the system prompt
+
+
+@pytest.mark.parametrize("option", [("--turns", "last"), ("--reasoning", "drop"), ("--no-system",), ("--no-tools",),
+                                    ("--template-arg", "enable_thinking=false"), ("--keep-prefix-tokens",)],
+                         ids=lambda o: o[0])
+def test_a_rendering_option_without_tokenizer_is_a_usage_error_naming_it(tmp_path, option):
+    src = jsonl(tmp_path / "r.jsonl", [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+    for command, args in (("stats", ()), ("pack", ("-c", "4K", "-o", tmp_path / "packs")),
+                          ("plot", ("-o", tmp_path / "t.png")), ("report", ("-o", tmp_path / "r.html"))):
+        res = run(command, src, *args, *option)
+        assert (res.code, res.out) == (2, ""), command
+        assert res.err.splitlines()[-1] == f"Error: Invalid value for {option[0]}: needs --tokenizer", command
+    assert not any((tmp_path / name).exists() for name in ("packs", "t.png", "r.html"))
+    chats = run("stats", src, *option, "--tokenizer", CHAT_TOKENIZER)  # with it: read as chats (none here)
+    assert chats.code == 1 and chats.err.startswith(f"Error: {src}: line 1: no chat messages")
