@@ -65,7 +65,7 @@ def train(
         from treepack.train.loop import train as run_training  # imports torch
     rank = os.environ.get("RANK", "0")
     try:
-        result = run_training(cfg, log=lambda line: console.print(line, markup=False))
+        result = _run(run_training, cfg)
     except TreepackError as exc:
         if rank == "0":
             raise
@@ -80,6 +80,18 @@ def train(
         console.print(f"nothing to do: {result.output_dir} already holds step {result.first_step - 1}", markup=False)
     else:
         console.print(f"saved {result.output_dir / 'checkpoint'} (step {result.last_step})", markup=False)
+
+
+def _run(run_training, cfg):
+    """The run, its CUDA out-of-memory error made a one-line error that says what lowers the peak."""
+    import torch
+
+    from treepack.train.memory_limit import out_of_memory_message
+
+    try:
+        return run_training(cfg, log=lambda line: console.print(line, markup=False))
+    except torch.OutOfMemoryError as exc:
+        raise TreepackError(out_of_memory_message(exc, cfg.train.mode, cfg.train.memory)) from None
 
 
 def _forwarded_args() -> list[str]:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from test_dfs import make_pack, random_sequences
 
 from treepack.train.losses import BatchTotals, LossRows, Objective
+from treepack.train.memory_limit import state_bytes
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import make_mode
 from treepack.train.modes.dfs import DfsMode
@@ -23,7 +24,6 @@ from treepack.train.modes.dfs_memory import (
     longest_path,
     path_row_bytes,
     plan_block,
-    state_bytes,
     token_bytes,
 )
 

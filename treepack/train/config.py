@@ -22,6 +22,7 @@ from pathlib import Path
 from treepack.errors import ConfigError, TreepackError
 from treepack.pack.layout import CHILD_ORDERS
 from treepack.sizes import parse_size
+from treepack.train.memory_limit import MemoryLimit, parse_memory_limit
 from treepack.train.modes.dfs_schedule import MERGE_ANCHOR_TOKENS
 
 try:
@@ -162,6 +163,9 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda when present) | cpu | cuda
     seed: int = 0  # model init and pack order
     logits_chunk: int = 4096  # rows of full-vocabulary logits alive at a time in the loss
+    # most GPU memory this run may take, e.g. beside a colocated rollout engine: "40GB", "40GiB" or "50%" of the GPU
+    # ("" = all it can get); caps torch's allocator and sizes dfs's auto block (treepack.train.memory_limit)
+    memory_limit: str = ""
     activation_checkpointing: bool = False  # recompute each layer in backward (less memory, ~1.3x compute)
     compile: str = "auto"  # torch.compile the elementwise regions: auto (on CUDA, not float64) | on | off
     # compiled layers: share of the saved activations the compiler may keep (1 = all it wants); below 1 it
@@ -195,6 +199,7 @@ class TrainConfig:
             except TreepackError as exc:
                 raise ConfigError(str(exc)) from None
         self.dfs_block  # noqa: B018 - validates train.dfs_block_size
+        self.memory  # noqa: B018 - validates train.memory_limit
         _positive("train.dfs_keep_tokens", self.dfs_keep_tokens, zero_ok=True)
         _positive("train.dfs_merge_anchor_tokens", self.dfs_merge_anchor_tokens, zero_ok=True)
         _one_of("train.dfs_order", self.dfs_order, DFS_ORDERS)
@@ -221,6 +226,10 @@ class TrainConfig:
     def dfs_block(self) -> int | str:
         """``train.dfs_block_size`` as `DfsMode` takes it: "auto", or tokens (0: unlimited)."""
         return parse_dfs_block(self.dfs_block_size, "train.dfs_block_size")
+
+    @property
+    def memory(self) -> MemoryLimit | None:
+        return parse_memory_limit(self.memory_limit)
 
     @property
     def micro_batch_token_count(self) -> int | None:
@@ -479,6 +488,7 @@ dtype = "auto"              # auto (bfloat16 autocast on CUDA, float32 on CPU) |
 device = "auto"             # auto | cpu | cuda
 seed = 0
 logits_chunk = 4096         # rows of full-vocabulary logits alive at a time
+memory_limit = ""           # most GPU memory this run may take: "40GB", "40GiB", "50%" ("" = all it can get)
 activation_checkpointing = false
 compile = "auto"            # torch.compile norms/RoPE/SwiGLU/loss softmax: auto (on CUDA) | on | off
 activation_memory_budget = 1.0  # compiled layers keep this share of saved activations, recompute the rest (0, 1]

@@ -44,6 +44,7 @@ from treepack.train.collector import Pauses, freeze_warmup, thaw
 from treepack.train.config import RunConfig
 from treepack.train.data import batch_indices, compact_vocab, data_where, load_packs
 from treepack.train.losses import BatchTotals, LossRows, Objective, check_grpo_data, group_advantages
+from treepack.train.memory_limit import apply_memory_limit
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import Mode, make_mode
 from treepack.train.modes.auto import AutoMode, SpeedTable
@@ -473,6 +474,8 @@ def train(
         save_checkpoint(out_dir, model, optimizer, {"step": step, "losses": losses})
 
     for line in banner(cfg, model, packs, device, param_dtype, autocast_dtype):
+        log(line)
+    for line in filter(None, [apply_memory_limit(cfg.train.memory, model, device, autocast_dtype or param_dtype)]):
         log(line)
     if isinstance(mode, DfsMode):  # how large its calls may be (on this GPU), and why
         with autocast:

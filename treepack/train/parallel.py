@@ -62,6 +62,7 @@ from treepack.train.loop import (
     step_batch,
 )
 from treepack.train.losses import LossRows, Objective, check_grpo_data
+from treepack.train.memory_limit import apply_memory_limit
 from treepack.train.modes.dfs import DfsMode, merge_work
 
 
@@ -152,7 +153,9 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
                           clip_low=cfg.train.loss.clip_low, clip_high=cfg.train.loss.clip_high,
                           kl_coef=cfg.train.loss.kl_coef)
     mode = build_mode(cfg)
-    if isinstance(mode, DfsMode):  # an auto block is sized for the whole model's state: errs small when sharded
+    for line in filter(None, [apply_memory_limit(cfg.train.memory, model, device, autocast_dtype or param_dtype)]):
+        log(line)
+    if isinstance(mode, DfsMode):  # an auto block counts this rank's shard of the state
         with autocast:
             log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
     flops = flop_model(model.args)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from treepack.pack.layout import Pack
+from treepack.train.memory_limit import applied_limit, state_bytes
 
 AUTO_FRACTION = 0.85  # of the memory this process can have: the allocator's fragmentation and the context
 OVERHEAD_BYTES = 512 << 20  # what no count above covers: the pack's uploads and index arrays, library workspaces
@@ -63,15 +64,6 @@ def token_bytes(model: torch.nn.Module, compute_dtype: torch.dtype) -> float:
     return MARGIN * a.num_layers * layer
 
 
-def state_bytes(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
-    """Weights, gradients and AdamW's two moments, plus 16-bit working copies of the matrices."""
-    params = list(model.parameters())
-    total = 4 * sum(p.numel() * p.element_size() for p in params)
-    if torch.finfo(compute_dtype).bits < torch.finfo(model.dtype).bits:
-        total += sum(p.numel() for p in params if p.dim() >= 2) * (torch.finfo(compute_dtype).bits // 8)
-    return total
-
-
 def path_row_bytes(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
     """One path-cache row: K and V of every layer, and their gradients (float32 for 16-bit K/V)."""
     a = model.args
@@ -85,9 +77,12 @@ def head_bytes(model: torch.nn.Module, chunk_rows: int) -> float:
 
 
 def available_bytes(device: torch.device) -> int:
-    """``AUTO_FRACTION`` of the memory this process can have on ``device``: free plus what torch holds."""
+    """``AUTO_FRACTION`` of the memory this process can have on ``device``: free plus what torch holds, within
+    ``train.memory_limit`` if one is set (`treepack.train.memory_limit`)."""
     free, _ = torch.cuda.mem_get_info(device)
-    return int(AUTO_FRACTION * (free + torch.cuda.memory_reserved(device)))
+    can = free + torch.cuda.memory_reserved(device)
+    limit = applied_limit(device)
+    return int(AUTO_FRACTION * (can if limit is None else min(can, limit)))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,165 @@
+"""``train.memory_limit`` (`treepack.train.memory_limit`): the forms it takes, its refusals, the start line, the
+one-line out-of-memory error, and on a GPU the allocator's cap and dfs's auto block inside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cli_helpers import run as cli
+from test_train_cli import write_config
+
+from treepack.errors import ConfigError
+from treepack.train.memory_limit import (
+    MemoryLimit,
+    applied_limit,
+    apply_memory_limit,
+    out_of_memory_message,
+    parse_memory_limit,
+    state_bytes,
+)
+from treepack.train.model import Decoder, ModelArgs
+
+ARGS = ModelArgs.for_family("qwen3", vocab_size=1000, hidden_size=64, intermediate_size=160, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("text,limit,total,expected", [
+    ("40GB", MemoryLimit(40e9), 80 * 2**30, 40_000_000_000),
+    ("40GiB", MemoryLimit(40 * 2**30), 80 * 2**30, 40 * 2**30),
+    (" 1.5 gib ", MemoryLimit(1.5 * 2**30), 80 * 2**30, 3 * 2**29),
+    ("512MiB", MemoryLimit(2**29), 80 * 2**30, 2**29),
+    ("50%", MemoryLimit(50, percent=True), 80 * 2**30, 40 * 2**30),
+    ("12.5%", MemoryLimit(12.5, percent=True), 80_000_000_000, 10_000_000_000),
+    ("100%", MemoryLimit(100, percent=True), 123, 123),
+])
+def test_forms(text, limit, total, expected):
+    parsed = parse_memory_limit(text)
+    assert parsed == limit and parsed.bytes_of(total) == expected
+
+
+@pytest.mark.parametrize("text", ["", "  "])
+def test_empty_is_no_limit(text):
+    assert parse_memory_limit(text) is None
+
+
+@pytest.mark.parametrize("text,message", [
+    ("40", ('train.memory_limit must be a size such as "40GB" or "40GiB", or a share of the GPU such as "50%" '
+           '("" for no limit), got \'40\'')),
+    ("lots", ('train.memory_limit must be a size such as "40GB" or "40GiB", or a share of the GPU such as "50%" '
+             '("" for no limit), got \'lots\'')),
+    ("-4GB", ('train.memory_limit must be a size such as "40GB" or "40GiB", or a share of the GPU such as "50%" '
+             '("" for no limit), got \'-4GB\'')),
+    ("0GB", "train.memory_limit must be positive, got '0GB'"),
+    ("0%", "train.memory_limit must be a share in (0%, 100%], got '0%'"),
+    ("150%", "train.memory_limit must be a share in (0%, 100%], got '150%'"),
+])
+def test_refusals(text, message):
+    with pytest.raises(ConfigError) as info:
+        parse_memory_limit(text)
+    assert str(info.value) == message
+
+
+def test_a_bad_limit_in_a_config_is_one_line(tmp_path):
+    path = write_config(tmp_path, extra='memory_limit = "half"\n')
+    r = cli("train", path)
+    assert r.code == 1 and r.out == ""
+    assert r.err.strip().splitlines() == [
+        (f'Error: {path}: train.memory_limit must be a size such as "40GB" or "40GiB", or a share of the GPU '
+        'such as "50%" ("" for no limit), got \'half\'')]
+
+
+def test_off_cuda_it_is_said_and_ignored(tmp_path):
+    model = Decoder.random_init(ARGS, seed=0, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    assert apply_memory_limit(MemoryLimit(1e9), model, cpu, torch.float32) == (
+        "train.memory_limit applies to CUDA GPUs: ignored on cpu")
+    assert apply_memory_limit(None, model, cpu, torch.float32) is None and applied_limit(cpu) is None
+    r = cli("train", write_config(tmp_path, steps=1, extra='memory_limit = "1GB"\n'))
+    assert r.code == 0, r.err
+    assert "train.memory_limit applies to CUDA GPUs: ignored on cpu" in r.out.splitlines()
+
+
+def test_state_counts_weights_grads_moments_and_working_copies():
+    model = Decoder.random_init(ARGS, seed=0, dtype=torch.float32)
+    n = sum(p.numel() for p in model.parameters())
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    assert state_bytes(model, torch.float32) == 16 * n
+    assert state_bytes(model, torch.bfloat16) == 16 * n + 2 * matrices
+
+
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.30 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+             "1.02 GiB is free. Including non-PyTorch memory, this process has 78.16 GiB memory in use.")
+
+
+@pytest.mark.parametrize("mode,remedy", [
+    ("tree", ('lower data.capacity (a pack is the memory bound), use mode = "dfs" (its calls follow the memory), or '
+             "turn on train.activation_checkpointing")),
+    ("dense-leaf", "lower train.micro_batch_tokens, or turn on train.activation_checkpointing"),
+    ("dfs", ('set train.dfs_block_size = "auto" or a smaller block, lower train.logits_chunk, or turn on '
+            "train.activation_checkpointing")),
+])
+def test_out_of_memory_is_one_line_with_what_lowers_the_peak(mode, remedy):
+    assert out_of_memory_message(RuntimeError(TORCH_OOM), mode, None) == (
+        f"out of GPU memory (tried to allocate 2.30 GiB): {remedy}")
+    assert out_of_memory_message(RuntimeError("odd"), mode, None) == f"out of GPU memory: {remedy}"
+
+
+def test_out_of_memory_in_train_is_an_error_line_not_a_traceback(tmp_path, monkeypatch):
+    from treepack.train import loop
+
+    def oom(cfg, *, log):
+        raise torch.OutOfMemoryError(TORCH_OOM)
+
+    monkeypatch.setattr(loop, "train", oom)
+    r = cli("train", write_config(tmp_path, mode="dense"))
+    assert r.code == 1 and "Traceback" not in r.err
+    assert r.err.strip().splitlines() == [
+        ("Error: out of GPU memory (tried to allocate 2.30 GiB): lower train.micro_batch_tokens, or turn on "
+        "train.activation_checkpointing")]
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def gpu_model():
+    model = Decoder.random_init(ARGS, seed=0, dtype=torch.float32, device="cuda")
+    yield model
+    apply_memory_limit(None, model, torch.device("cuda"), torch.float32)  # lift the cap for the tests after
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_allocator_is_capped_and_the_cap_lifted(gpu_model):
+    dev = torch.device("cuda")
+    total = torch.cuda.get_device_properties(0).total_memory
+    line = apply_memory_limit(MemoryLimit(2e9), gpu_model, dev, torch.bfloat16)
+    assert line.startswith(f"memory: this run may take 2.0 of the GPU's {total / 1e9:.1f} GB (train.memory_limit)")
+    assert applied_limit(dev) == 2_000_000_000
+    from treepack.train.modes.dfs_memory import AUTO_FRACTION, available_bytes
+
+    assert available_bytes(dev) <= AUTO_FRACTION * 2e9
+    torch.cuda.empty_cache()
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(int(2.5e9), dtype=torch.uint8, device=dev)
+    apply_memory_limit(None, gpu_model, dev, torch.bfloat16)
+    assert applied_limit(dev) is None
+    x = torch.empty(int(2.5e9), dtype=torch.uint8, device=dev)  # the cap is gone
+    del x
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_limit_below_the_state_or_above_the_gpu_is_refused(gpu_model):
+    dev = torch.device("cuda")
+    state = state_bytes(gpu_model, torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"cannot hold the model's weights, gradients and AdamW state"):
+        apply_memory_limit(MemoryLimit(state - 1), gpu_model, dev, torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"is more than this GPU has"):
+        apply_memory_limit(MemoryLimit(10**15), gpu_model, dev, torch.bfloat16)
+    assert applied_limit(dev) is None
