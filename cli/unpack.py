@@ -27,10 +27,14 @@ def unpack(
         raise typer.BadParameter(f"{output!r}: write it outside the pack directory {packs} (a file there can "
                                  "replace one of its shards)", param_hint="--output")
     r = read_inputs(str(packs), keep_records=True)  # every packed record, and the count of those not packed
-    write_rollouts(r, output)
+    as_text = write_rollouts(r, output)
     if not quiet:
         where = "<stdout>" if output == "-" else output
         err_console.print(f"wrote {len(r):,} records ({r.n_tokens:,} tokens) to {where}", markup=False)
+    if as_text:  # said even with --quiet: these values are not back exactly
+        kinds = ", ".join(f"{kind}: {n:,}" for kind, n in as_text.most_common())
+        err_console.print(f"written as text: {sum(as_text.values()):,} value(s) JSON has no type for ({kinds}); "
+                          "unpack to .parquet keeps them exact", markup=False)
     if r.n_skipped:  # records of the input that `pack` left out: not in the packs, so not written
         reasons = ", ".join(f"{v:,} {k}" for k, v in r.skipped.most_common())
         err_console.print(f"not written: {r.n_skipped:,} input record(s) that pack left out: {reasons}", markup=False)

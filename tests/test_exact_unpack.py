@@ -137,6 +137,31 @@ def test_unpack_cli_parquet_and_jsonl(tmp_path):
                                                                       "extra"]
 
 
+def test_values_json_cannot_hold_are_counted_when_unpacked_to_jsonl(tmp_path):
+    """Bytes, timestamps and decimals of a Parquet input come back exactly in Parquet; in JSONL they are written
+    as their text, and the line after the summary says how many, even with --quiet."""
+    import datetime
+    import decimal
+
+    when = datetime.datetime(2026, 11, 27, 12, 30)
+    table = pa.table({"input_ids": [[1, 2, 3], [1, 2, 4]], "blob": [b"\x00\xff", b"ab"], "at": [when, when],
+                      "price": pa.array([decimal.Decimal("1.50"), None], pa.decimal128(5, 2))})
+    pq.write_table(table, tmp_path / "in.parquet")
+    assert run("pack", tmp_path / "in.parquet", "-c", "1K", "-o", tmp_path / "p", "-q").code == 0
+    r = run("unpack", tmp_path / "p", "-o", tmp_path / "back.parquet", "-q")
+    assert (r.code, r.err) == (0, "")
+    assert pq.read_table(tmp_path / "back.parquet").to_pylist() == table.to_pylist()
+    for quiet in ([], ["-q"]):
+        r = run("unpack", tmp_path / "p", "-o", tmp_path / "back.jsonl", *quiet)
+        notice = ("written as text: 5 value(s) JSON has no type for (bytes: 2, datetime: 2, Decimal: 1); unpack to "
+                  ".parquet keeps them exact\n")
+        summary = "" if quiet else f"wrote 2 records (6 tokens) to {tmp_path / 'back.jsonl'}\n"
+        assert (r.code, r.err) == (0, summary + notice)
+    back = [json.loads(line) for line in (tmp_path / "back.jsonl").read_text().splitlines()]
+    assert [(b["blob"], b["at"], b["price"]) for b in back] == [
+        ("b'\\x00\\xff'", "2026-11-27 12:30:00", "1.50"), ("b'ab'", "2026-11-27 12:30:00", None)]
+
+
 def test_ids_beyond_int64_round_trip(tmp_path):
     """JSON integers of any size are ids and tree ids like any other (shards keep them as JSON text)."""
     recs = [{"id": 2**64, "tree_id": -2**70, "input_ids": [1, 2]}, {"id": 1, "tree_id": 3, "input_ids": [1, 3]}]

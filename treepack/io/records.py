@@ -13,6 +13,7 @@ import gzip
 import json
 import math
 import sys
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
@@ -133,15 +134,24 @@ def _arrow_exact(r: Rollouts) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=ex.schema)
 
 
-def write_rollouts(r: Rollouts, path: str) -> None:
-    """Write a batch as JSONL (``.jsonl``, ``.jsonl.gz``, ``-`` for stdout) or Parquet (``.parquet``)."""
+def write_rollouts(r: Rollouts, path: str) -> Counter:
+    """Write a batch as JSONL (``.jsonl``, ``.jsonl.gz``, ``-`` for stdout) or Parquet (``.parquet``).
+
+    Returns the values JSON has no type for (bytes, timestamps, decimals of a Parquet input), written as their
+    text, counted by type: empty for Parquet output, which keeps them exact."""
+    as_text: Counter = Counter()
+
+    def text(value) -> str:
+        as_text[type(value).__name__] += 1
+        return str(value)
+
     if path.endswith((".parquet", ".pq")):
         for what, keys in (("ids", r.ids), ("tree ids", r.group_names or [])) if r.extras is None else ():
             if key_encoding(keys) == "json":
                 raise TreepackError(f"{path}: the {what} mix strings and integers (or exceed int64), which a Parquet "
                                     "column can not hold; write .jsonl instead")
         pq.write_table(to_arrow(r), path, compression="zstd")
-        return
+        return as_text
     with contextlib.ExitStack() as stack:
         if path == "-":
             fh = sys.stdout
@@ -152,4 +162,5 @@ def write_rollouts(r: Rollouts, path: str) -> None:
             else:
                 fh = stack.enter_context(open(path, "w", encoding="utf-8"))
         for rec in iter_records(r):
-            fh.write(json.dumps(rec, separators=(",", ":"), ensure_ascii=False, default=str) + "\n")
+            fh.write(json.dumps(rec, separators=(",", ":"), ensure_ascii=False, default=text) + "\n")
+    return as_text
