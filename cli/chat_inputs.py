@@ -30,13 +30,23 @@ from treepack.io.rollouts import Rollouts
 PROGRESS_MIN_BYTES = 1 << 20  # chat input renders at ~1-3 MB/s: show a bar from 1 MB on
 
 
+PYTHON_SPELLINGS = {"True": True, "False": False, "None": None}  # enable_thinking=False is meant as false
+
+
 def template_args(values: list[str]) -> dict:
-    """``KEY=VALUE`` pairs: VALUE as JSON when it parses (true, 3, "x"), else the plain string."""
+    """``KEY=VALUE`` pairs: VALUE as JSON when it parses (true, 3, "x"), Python's True / False / None as those,
+    else the plain string (a string "False" would be true in the template)."""
     out = {}
     for v in values:
         key, eq, raw = v.partition("=")
-        if not eq or not key.isidentifier():
+        if not eq:
             raise typer.BadParameter(f"expected KEY=VALUE, got {v!r}", param_hint="--template-arg")
+        if not key.isidentifier():
+            raise typer.BadParameter(f"the key of {v!r} must be a template variable name (letters, digits and _, "
+                                     "not starting with a digit)", param_hint="--template-arg")
+        if raw in PYTHON_SPELLINGS:
+            out[key] = PYTHON_SPELLINGS[raw]
+            continue
         try:
             out[key] = json.loads(raw)
         except ValueError:

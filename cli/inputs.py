@@ -20,7 +20,8 @@ from treepack.sizes import parse_size
 
 PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar when the inputs are at least this big
 TOKENIZER_HELP = ("Input is chat transcripts: render them with this tokenizer directory's chat template, one record "
-                  "per assistant turn (as treepack tokenize does).")
+                  "per assistant turn (as treepack tokenize does), with tokenize's rendering options (--turns, "
+                  "--reasoning, --no-system, --no-tools, --template-arg, --keep-prefix-tokens).")
 KEEP_PREFIX_HELP = ("With --tokenizer: each turn = the previous turn's tokens through its end-of-turn token + the "
                     "newly rendered rest (exact prefix sharing).")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shlex
 import time
 from pathlib import Path
 
@@ -139,7 +140,8 @@ def pack(
 
 
 def _quote(arg: str) -> str:
-    return arg if arg and all(c.isalnum() or c in "-_./=:," for c in arg) else repr(arg)
+    """``arg`` as a POSIX shell reads it back: the manifest's command re-runs as written."""
+    return shlex.quote(arg)
 
 
 def _summary(m: dict, requested: int, out: Path, times: tuple[float, float, float]) -> None:

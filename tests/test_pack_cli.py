@@ -42,6 +42,27 @@ def test_pack_then_unpack_is_exact(small, tmp_path):
     assert read_rollouts(tmp_path / "back.parquet").ids == ["a", "b", "c", "x"]
 
 
+def test_the_manifest_command_reads_back_as_the_arguments_given(small, tmp_path):
+    """Paths with spaces, quotes, $ and a newline come back from the recorded command through a POSIX shell's
+    rules (shlex), and the command re-run in bash writes the same packs."""
+    import shlex
+    import subprocess
+    import sys
+
+    odd = tmp_path / "it's $HOME \"q\"\tx.jsonl"
+    odd.write_bytes(small.read_bytes())
+    out = tmp_path / "packs a\nb"
+    assert run("pack", odd, "--capacity", "10", "-o", out, "-q").code == 0
+    command = read_manifest(out)["command"]
+    assert shlex.split(command) == ["treepack", "pack", str(odd), "--capacity", "10", "-o", str(out)]
+    again = tmp_path / "again"
+    treepack = f"{shlex.quote(sys.executable)} -m treepack"
+    rerun = command.replace("treepack pack", f"{treepack} pack", 1).replace(shlex.quote(str(out)), str(again))
+    done = subprocess.run(["bash", "-c", rerun + " -q"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert [p.input_ids.tolist() for p in read_packs(again)] == [p.input_ids.tolist() for p in read_packs(out)]
+
+
 def test_oversize_is_an_error_naming_the_sequence(small, tmp_path):
     r = run("pack", small, "--capacity", "6", "-o", tmp_path / "p")
     assert r.code == 1

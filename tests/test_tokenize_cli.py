@@ -416,3 +416,27 @@ def test_a_rendering_option_without_tokenizer_is_a_usage_error_naming_it(tmp_pat
     assert not any((tmp_path / name).exists() for name in ("packs", "t.png", "r.html"))
     chats = run("stats", src, *option, "--tokenizer", CHAT_TOKENIZER)  # with it: read as chats (none here)
     assert chats.code == 1 and chats.err.startswith(f"Error: {src}: line 1: no chat messages")
+
+
+def test_template_args_parse_as_json_and_python_spellings():
+    from treepack.cli.chat_inputs import template_args
+
+    assert template_args(["enable_thinking=false", "a=False", "b=True", "c=None", "n=3", 's="x"', "t=plain",
+                          "e="]) == {"enable_thinking": False, "a": False, "b": True, "c": None, "n": 3, "s": "x",
+                                     "t": "plain", "e": ""}
+
+
+@pytest.mark.parametrize("value,message", [
+    ("novalue", "expected KEY=VALUE, got 'novalue'"),
+    ("1x=2", "the key of '1x=2' must be a template variable name (letters, digits and _, not starting with a digit)"),
+    ("a-b=1", "the key of 'a-b=1' must be a template variable name (letters, digits and _, not starting with a "
+              "digit)"),
+])
+def test_a_bad_template_arg_is_a_usage_error_naming_the_problem(value, message):
+    import typer
+
+    from treepack.cli.chat_inputs import template_args
+
+    with pytest.raises(typer.BadParameter) as info:
+        template_args([value])
+    assert info.value.message == message
