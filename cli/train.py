@@ -8,6 +8,7 @@ Data-parallel: ``treepack train --nproc N config.toml`` launches torchrun on thi
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -65,7 +66,7 @@ def train(
         from treepack.train.loop import train as run_training  # imports torch
     rank = os.environ.get("RANK", "0")
     try:
-        result = _run(run_training, cfg)
+        result = run_training(cfg, log=lambda line: console.print(line, markup=False))
     except TreepackError as exc:
         if rank == "0":
             raise
@@ -73,6 +74,13 @@ def train(
         # meanwhile); an error of this rank alone is printed after that grace period.
         time.sleep(ERROR_GRACE_S)
         raise fail(f"rank {rank}: {exc}") from None
+    except RuntimeError as exc:
+        if not (distributed and _group_broke(exc)):
+            raise
+        # another rank failed alone (out of memory, its data) and printed why; this one only lost its peers
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo's "[source.cc:553] Connection closed..."
+        raise fail(f"rank {rank}: stopped, its process group broken by another rank's failure ({first})") from None
     if rank != "0":
         return
     if result.first_step > result.last_step:
@@ -82,16 +90,12 @@ def train(
         console.print(f"saved {result.output_dir / 'checkpoint'} (step {result.last_step})", markup=False)
 
 
-def _run(run_training, cfg):
-    """The run, its CUDA out-of-memory error made a one-line error that says what lowers the peak."""
-    import torch
+def _group_broke(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is a collective's failure when a peer rank went away (gloo / NCCL / the store)."""
+    import torch.distributed as dist
 
-    from treepack.train.memory_limit import out_of_memory_message
-
-    try:
-        return run_training(cfg, log=lambda line: console.print(line, markup=False))
-    except torch.OutOfMemoryError as exc:
-        raise TreepackError(out_of_memory_message(exc, cfg.train.mode, cfg.train.memory)) from None
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(s in text for s in ("Connection closed by peer", "[gloo", "NCCL"))
 
 
 def _forwarded_args() -> list[str]:

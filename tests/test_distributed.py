@@ -243,6 +243,33 @@ def test_cli_nproc_errors(tmp_path):
     assert r.code == 2 and "--nproc" in r.err and "must be >= 1, got 0" in r.err
 
 
+def test_cli_nproc_one_rank_out_of_memory(tmp_path):
+    """An error of one rank alone (out of memory) is that rank's one line; the rank it leaves stranded says so in
+    one line too, not with a gloo traceback."""
+    write_rollouts(tmp_path / "rollouts.jsonl")
+    config = write_config(tmp_path, "tree")
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import torch\n"
+        "    def oom(*args, **kwargs):\n"
+        "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 3.50 GiB. GPU 1 has ...')\n"
+        "    torch.autograd.backward = oom\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(inject), *sys.path])}
+    done = subprocess.run([sys.executable, "-m", "treepack", "train", "--nproc", "2", str(config)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 1 and "step 00001" not in done.stdout
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert errors[0] == ("Error: rank 1: out of GPU memory (tried to allocate 3.50 GiB): lower data.capacity (a pack "
+                         'is the memory bound), use mode = "dfs" (its calls follow the memory), or turn on '
+                         "train.activation_checkpointing"), done.stderr
+    assert all(e.startswith("Error: rank 0: stopped, its process group broken by another rank's failure (")
+               for e in errors[1:]), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 @pytest.fixture
 def one_rank_group(monkeypatch):
     """A gloo process group of one rank in this process (what torchrun --nproc-per-node 1 sets up)."""

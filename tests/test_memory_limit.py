@@ -8,11 +8,13 @@ import torch
 from cli_helpers import run as cli
 from test_train_cli import write_config
 
-from treepack.errors import ConfigError
+from treepack.errors import ConfigError, TreepackError
 from treepack.train.memory_limit import (
     MemoryLimit,
+    OutOfMemory,
     applied_limit,
-    apply_memory_limit,
+    capped,
+    describe_memory_limit,
     out_of_memory_message,
     parse_memory_limit,
     state_bytes,
@@ -34,7 +36,8 @@ ARGS = ModelArgs.for_family("qwen3", vocab_size=1000, hidden_size=64, intermedia
 ])
 def test_forms(text, limit, total, expected):
     parsed = parse_memory_limit(text)
-    assert parsed == limit and parsed.bytes_of(total) == expected
+    assert (parsed.amount, parsed.percent, parsed.text) == (limit.amount, limit.percent, text.strip())
+    assert parsed.bytes_of(total) == expected
 
 
 @pytest.mark.parametrize("text", ["", "  "])
@@ -50,6 +53,8 @@ def test_empty_is_no_limit(text):
     ("-4GB", ('train.memory_limit must be a size such as "40GB" or "40GiB", or a share of the GPU such as "50%" '
              '("" for no limit), got \'-4GB\'')),
     ("0GB", "train.memory_limit must be positive, got '0GB'"),
+    ("\u0664\u0660GB", ('train.memory_limit must be a size such as "40GB" or "40GiB", or a share of the GPU such as '
+                 '"50%" ("" for no limit), got \'\u0664\u0660GB\'')),  # digits in another script
     ("0%", "train.memory_limit must be a share in (0%, 100%], got '0%'"),
     ("150%", "train.memory_limit must be a share in (0%, 100%], got '150%'"),
 ])
@@ -71,12 +76,14 @@ def test_a_bad_limit_in_a_config_is_one_line(tmp_path):
 def test_off_cuda_it_is_said_and_ignored(tmp_path):
     model = Decoder.random_init(ARGS, seed=0, dtype=torch.float32)
     cpu = torch.device("cpu")
-    assert apply_memory_limit(MemoryLimit(1e9), model, cpu, torch.float32) == (
-        "train.memory_limit applies to CUDA GPUs: ignored on cpu")
-    assert apply_memory_limit(None, model, cpu, torch.float32) is None and applied_limit(cpu) is None
+    with capped(MemoryLimit(1e9, text="1GB"), cpu, "tree"):
+        assert applied_limit(cpu) is None
+        assert describe_memory_limit(MemoryLimit(1e9, text="1GB"), model, cpu, torch.float32) == (
+            "train.memory_limit applies to CUDA GPUs: ignored on cpu")
+    assert describe_memory_limit(None, model, cpu, torch.float32) is None
     r = cli("train", write_config(tmp_path, steps=1, extra='memory_limit = "1GB"\n'))
     assert r.code == 0, r.err
-    assert "train.memory_limit applies to CUDA GPUs: ignored on cpu" in r.out.splitlines()
+    assert r.out.splitlines().count("train.memory_limit applies to CUDA GPUs: ignored on cpu") == 1
 
 
 def test_state_counts_weights_grads_moments_and_working_copies():
@@ -99,19 +106,27 @@ TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.30 GiB. GPU 0 has a total 
             "train.activation_checkpointing")),
 ])
 def test_out_of_memory_is_one_line_with_what_lowers_the_peak(mode, remedy):
-    assert out_of_memory_message(RuntimeError(TORCH_OOM), mode, None) == (
+    assert out_of_memory_message(RuntimeError(TORCH_OOM), mode) == (
         f"out of GPU memory (tried to allocate 2.30 GiB): {remedy}")
-    assert out_of_memory_message(RuntimeError("odd"), mode, None) == f"out of GPU memory: {remedy}"
+    assert out_of_memory_message(RuntimeError("odd"), mode) == f"out of GPU memory: {remedy}"
 
 
-def test_out_of_memory_in_train_is_an_error_line_not_a_traceback(tmp_path, monkeypatch):
+def test_out_of_memory_in_a_run_is_still_torchs_and_one_line(tmp_path, monkeypatch):
+    """`train` turns torch's error into `OutOfMemory`: a ``torch.OutOfMemoryError`` for callers that catch that,
+    and an error line, not a traceback, in the CLI."""
     from treepack.train import loop
 
-    def oom(cfg, *, log):
+    def oom(cfg, packs, log):
         raise torch.OutOfMemoryError(TORCH_OOM)
 
-    monkeypatch.setattr(loop, "train", oom)
-    r = cli("train", write_config(tmp_path, mode="dense"))
+    monkeypatch.setattr(loop, "_train", oom)
+    path = write_config(tmp_path, mode="dense")
+    from treepack.train.config import load_config
+
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        loop.train(load_config(path))
+    assert isinstance(info.value, OutOfMemory) and isinstance(info.value, TreepackError)
+    r = cli("train", path)
     assert r.code == 1 and "Traceback" not in r.err
     assert r.err.strip().splitlines() == [
         ("Error: out of GPU memory (tried to allocate 2.30 GiB): lower train.micro_batch_tokens, or turn on "
@@ -127,27 +142,26 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.fixture
 def gpu_model():
-    model = Decoder.random_init(ARGS, seed=0, dtype=torch.float32, device="cuda")
-    yield model
-    apply_memory_limit(None, model, torch.device("cuda"), torch.float32)  # lift the cap for the tests after
+    return Decoder.random_init(ARGS, seed=0, dtype=torch.float32, device="cuda")
 
 
 @pytest.mark.gpu
 @cuda
-def test_the_allocator_is_capped_and_the_cap_lifted(gpu_model):
+def test_the_allocator_is_capped_for_the_run_and_restored_after(gpu_model):
     dev = torch.device("cuda")
     total = torch.cuda.get_device_properties(0).total_memory
-    line = apply_memory_limit(MemoryLimit(2e9), gpu_model, dev, torch.bfloat16)
-    assert line.startswith(f"memory: this run may take 2.0 of the GPU's {total / 1e9:.1f} GB (train.memory_limit)")
-    assert applied_limit(dev) == 2_000_000_000
-    from treepack.train.modes.dfs_memory import AUTO_FRACTION, available_bytes
+    before = torch.cuda.get_per_process_memory_fraction(0)
+    with (pytest.raises(OutOfMemory, match=r"^out of GPU memory \(tried to allocate .*\): lower data.capacity"),
+          capped(MemoryLimit(2e9, text="2GB"), dev, "tree")):
+        assert applied_limit(dev) == 2_000_000_000
+        line = describe_memory_limit(MemoryLimit(2e9, text="2GB"), gpu_model, dev, torch.bfloat16)
+        assert line.startswith(f"memory: this run may take 2.0 of the GPU's {total / 1e9:.1f} GB (train.memory_limit)")
+        from treepack.train.modes.dfs_memory import AUTO_FRACTION, available_bytes
 
-    assert available_bytes(dev) <= AUTO_FRACTION * 2e9
-    torch.cuda.empty_cache()
-    with pytest.raises(torch.OutOfMemoryError):
-        torch.empty(int(2.5e9), dtype=torch.uint8, device=dev)
-    apply_memory_limit(None, gpu_model, dev, torch.bfloat16)
-    assert applied_limit(dev) is None
+        assert available_bytes(dev) <= AUTO_FRACTION * 2e9
+        torch.cuda.empty_cache()
+        torch.empty(int(2.5e9), dtype=torch.uint8, device=dev)  # torch's error, made OutOfMemory by `capped`
+    assert applied_limit(dev) is None and torch.cuda.get_per_process_memory_fraction(0) == before
     x = torch.empty(int(2.5e9), dtype=torch.uint8, device=dev)  # the cap is gone
     del x
     torch.cuda.empty_cache()
@@ -158,8 +172,10 @@ def test_the_allocator_is_capped_and_the_cap_lifted(gpu_model):
 def test_a_limit_below_the_state_or_above_the_gpu_is_refused(gpu_model):
     dev = torch.device("cuda")
     state = state_bytes(gpu_model, torch.bfloat16)
-    with pytest.raises(ConfigError, match=r"cannot hold the model's weights, gradients and AdamW state"):
-        apply_memory_limit(MemoryLimit(state - 1), gpu_model, dev, torch.bfloat16)
-    with pytest.raises(ConfigError, match=r"is more than this GPU has"):
-        apply_memory_limit(MemoryLimit(10**15), gpu_model, dev, torch.bfloat16)
+    with (capped(MemoryLimit(state - 1, text="tiny"), dev, "tree"),
+          pytest.raises(ConfigError, match=r'train.memory_limit = "tiny" \(.* GB\) cannot hold the model')):
+        describe_memory_limit(MemoryLimit(state - 1, text="tiny"), gpu_model, dev, torch.bfloat16)
+    with (pytest.raises(ConfigError, match=r'train.memory_limit = "1PB" is more than this GPU has'),
+          capped(MemoryLimit(10**15, text="1PB"), dev, "tree")):
+        pass
     assert applied_limit(dev) is None

@@ -14,6 +14,7 @@ to resume the exact run.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import warnings
 from pathlib import Path
@@ -146,3 +147,25 @@ def load_dcp(path: Path, model: Decoder, optimizer: torch.optim.Optimizer) -> No
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(both, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+
+
+def open_metrics(path: Path, start: int):
+    """``metrics.jsonl`` opened for appending the steps after ``start`` (0: a new file). Lines of later steps
+    are dropped first: a run that stopped after its last checkpoint had logged steps it now runs again."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not start:
+        return open(path, "w")
+    if path.is_file():
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _logged_step(line) <= start]
+        if len(kept) < len(lines):
+            path.write_text("".join(kept))
+    return open(path, "a")
+
+
+def _logged_step(line: str) -> float:
+    """The step of one metrics line; a line cut short by a killed run counts as past every checkpoint."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return math.inf

@@ -39,12 +39,12 @@ import torch
 from treepack.errors import ConfigError
 from treepack.pack.layout import Pack
 from treepack.train.banner import banner, eta_line
-from treepack.train.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from treepack.train.checkpoint import has_checkpoint, load_checkpoint, open_metrics, save_checkpoint
 from treepack.train.collector import Pauses, freeze_warmup, thaw
 from treepack.train.config import RunConfig
 from treepack.train.data import batch_indices, compact_vocab, data_where, load_packs
 from treepack.train.losses import BatchTotals, LossRows, Objective, check_grpo_data, group_advantages
-from treepack.train.memory_limit import apply_memory_limit
+from treepack.train.memory_limit import capped, describe_memory_limit
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import Mode, make_mode
 from treepack.train.modes.auto import AutoMode, SpeedTable
@@ -389,35 +389,14 @@ def _mem_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
-def open_metrics(path: Path, start: int):
-    """``metrics.jsonl`` opened for appending the steps after ``start`` (0: a new file). Lines of later steps
-    are dropped first: a run that stopped after its last checkpoint had logged steps it now runs again."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not start:
-        return open(path, "w")
-    if path.is_file():
-        lines = path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if _logged_step(line) <= start]
-        if len(kept) < len(lines):
-            path.write_text("".join(kept))
-    return open(path, "a")
+def train(cfg: RunConfig, *, packs: list[Pack] | None = None, log: Callable[[str], None] = print) -> TrainResult:
+    """Run (or resume) the configured training; ``packs`` overrides the data section (tests, notebooks). The
+    run holds ``train.memory_limit`` (`capped`) from before its model is built until it ends."""
+    with capped(cfg.train.memory, resolve_precision(cfg.train.device, cfg.train.dtype)[0], cfg.train.mode):
+        return _train(cfg, packs, log)
 
 
-def _logged_step(line: str) -> float:
-    """The step of one metrics line; a line cut short by a killed run counts as past every checkpoint."""
-    try:
-        return json.loads(line).get("step", 0)
-    except ValueError:
-        return math.inf
-
-
-def train(
-    cfg: RunConfig,
-    *,
-    packs: list[Pack] | None = None,
-    log: Callable[[str], None] = print,
-) -> TrainResult:
-    """Run (or resume) the configured training; ``packs`` overrides the data section (tests, notebooks)."""
+def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None]) -> TrainResult:
     device, param_dtype, autocast_dtype = resolve_precision(cfg.train.device, cfg.train.dtype)
     torch.manual_seed(cfg.train.seed)
     where = ""
@@ -475,7 +454,7 @@ def train(
 
     for line in banner(cfg, model, packs, device, param_dtype, autocast_dtype):
         log(line)
-    for line in filter(None, [apply_memory_limit(cfg.train.memory, model, device, autocast_dtype or param_dtype)]):
+    for line in filter(None, [describe_memory_limit(cfg.train.memory, model, device, autocast_dtype or param_dtype)]):
         log(line)
     if isinstance(mode, DfsMode):  # how large its calls may be (on this GPU), and why
         with autocast:

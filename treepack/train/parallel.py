@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from treepack.errors import ConfigError, TreepackError
 from treepack.pack.layout import Pack
-from treepack.train.checkpoint import has_checkpoint
+from treepack.train.checkpoint import has_checkpoint, open_metrics
 from treepack.train.config import RunConfig
 from treepack.train.data import data_where, load_packs
 from treepack.train.dcp import load_distributed, save_distributed
@@ -56,13 +56,12 @@ from treepack.train.loop import (
     compact_vocab_of_run,
     lr_at,
     make_optimizer,
-    open_metrics,
     reapply_optimizer_settings,
     resolve_precision,
     step_batch,
 )
 from treepack.train.losses import LossRows, Objective, check_grpo_data
-from treepack.train.memory_limit import apply_memory_limit
+from treepack.train.memory_limit import capped, describe_memory_limit
 from treepack.train.modes.dfs import DfsMode, merge_work
 
 
@@ -108,7 +107,8 @@ def train_distributed(cfg: RunConfig, *, packs: list[Pack] | None = None,
     """Run (or resume) the configured training on every rank of torchrun's world; only rank 0 logs."""
     group = ProcessGroup(cfg.train.device)
     try:
-        result = _train(cfg, group, packs, log if group.rank == 0 else (lambda line: None))
+        with capped(cfg.train.memory, group.device, cfg.train.mode):  # this rank's GPU
+            result = _train(cfg, group, packs, log if group.rank == 0 else (lambda line: None))
     except BaseException:
         group.close(ok=False)
         raise
@@ -153,7 +153,7 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
                           clip_low=cfg.train.loss.clip_low, clip_high=cfg.train.loss.clip_high,
                           kl_coef=cfg.train.loss.kl_coef)
     mode = build_mode(cfg)
-    for line in filter(None, [apply_memory_limit(cfg.train.memory, model, device, autocast_dtype or param_dtype)]):
+    for line in filter(None, [describe_memory_limit(cfg.train.memory, model, device, autocast_dtype or param_dtype)]):
         log(line)
     if isinstance(mode, DfsMode):  # an auto block counts this rank's shard of the state
         with autocast:
