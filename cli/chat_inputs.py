@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from treepack.cli.common import REASONING_OPTION, TURNS_OPTION, check_choice, console, err_console
+from treepack.cli.common import Render, check_choice, console, err_console
 
 from treepack.io.chat_rollouts import (
     REASONING,
@@ -54,7 +54,7 @@ def template_args(values: list[str]) -> dict:
     return out
 
 
-def chat_options(*, turns: str = TURNS_OPTION.default, reasoning: str = REASONING_OPTION.default,
+def chat_options(*, turns: str = Render.turns.default, reasoning: str = Render.reasoning.default,
                  no_system: bool = False, no_tools: bool = False, keep_prefix_tokens: bool = False,
                  template_arg: list[str] | None = None) -> ChatOptions:
     """ChatOptions of tokenize's rendering options (`CHAT_OPTIONS`); a bad value is a usage error (exit 2)."""

@@ -74,14 +74,17 @@ def check_choice(value: str, choices: Collection[str], option: str) -> None:
         raise typer.BadParameter(f"must be one of {', '.join(choices)}, got {value!r}", param_hint=option)
 
 
-# tokenize's rendering options, the same (names, defaults, help) on every command with --tokenizer: a command
-# takes them as ``turns: str = TURNS_OPTION`` (typer copies an option object for each command that uses it)
-TURNS_OPTION = typer.Option("all", "--turns", help="A record for every assistant turn (all) or the last only (last).")
-REASONING_OPTION = typer.Option("template", "--reasoning", help="Earlier turns' reasoning: template (as the chat "
-                                "template renders it), drop, or keep (as generated: implies --keep-prefix-tokens).")
-NO_SYSTEM_OPTION = typer.Option(False, "--no-system", help="Leave system messages out.")
-NO_TOOLS_OPTION = typer.Option(False, "--no-tools", help="Do not pass the records' tool schemas to the template.")
-TEMPLATE_ARG_OPTION = typer.Option([], "--template-arg", help="KEY=VALUE template variable, e.g. "
-                                   "enable_thinking=false (repeatable).")
-CHAT_OPTIONS = {"turns": TURNS_OPTION, "reasoning": REASONING_OPTION, "no_system": NO_SYSTEM_OPTION,
-                "no_tools": NO_TOOLS_OPTION, "template_arg": TEMPLATE_ARG_OPTION}  # parameter name -> option
+class Render:
+    """tokenize's rendering options, the same (names, defaults, help) on every command with --tokenizer: a command
+    takes them as ``turns: str = Render.turns`` (typer copies an option object for each command that uses it)."""
+
+    turns = typer.Option("all", "--turns", help="A record for every assistant turn (all) or the last only (last).")
+    reasoning = typer.Option("template", "--reasoning", help="Earlier turns' reasoning: template (as the chat template "
+                             "renders it), drop, or keep (as generated: implies --keep-prefix-tokens).")
+    no_system = typer.Option(False, "--no-system", help="Leave system messages out.")
+    no_tools = typer.Option(False, "--no-tools", help="Do not pass the records' tool schemas to the template.")
+    template_arg = typer.Option([], "--template-arg", help="KEY=VALUE template variable, e.g. enable_thinking=false "
+                                "(repeatable).")
+
+
+CHAT_OPTIONS = {name: getattr(Render, name) for name in ("turns", "reasoning", "no_system", "no_tools", "template_arg")}

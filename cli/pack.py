@@ -10,18 +10,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from treepack.cli.common import (
-    NO_SYSTEM_OPTION,
-    NO_TOOLS_OPTION,
-    REASONING_OPTION,
-    TEMPLATE_ARG_OPTION,
-    TURNS_OPTION,
-    check_choice,
-    console,
-    err_console,
-    handle_errors,
-    nothing_read,
-)
+from treepack.cli.common import Render, check_choice, console, err_console, handle_errors, nothing_read
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
     TOKENIZER_HELP,
@@ -63,11 +52,11 @@ def pack(
     tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
     keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help=KEEP_PREFIX_HELP),
-    turns: str = TURNS_OPTION,
-    reasoning: str = REASONING_OPTION,
-    no_system: bool = NO_SYSTEM_OPTION,
-    no_tools: bool = NO_TOOLS_OPTION,
-    template_arg: list[str] = TEMPLATE_ARG_OPTION,
+    turns: str = Render.turns,
+    reasoning: str = Render.reasoning,
+    no_system: bool = Render.no_system,
+    no_tools: bool = Render.no_tools,
+    template_arg: list[str] = Render.template_arg,
     on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ) -> None:
@@ -118,7 +107,7 @@ def pack(
                "--template-arg": template_arg}  # a list: the option once per value
     defaults = {"--strategy": "best", "--shard-size": DEFAULT_SHARD_SIZE, "--balance-cost": "tokens",
                 "--model": DEFAULT_MODEL, "--oversize": "error", "--group-by": "none", "--on-error": "raise",
-                "--turns": TURNS_OPTION.default, "--reasoning": REASONING_OPTION.default}
+                "--turns": Render.turns.default, "--reasoning": Render.reasoning.default}
     command = " ".join(["treepack pack", *map(_quote, files)] + [
         k if x is True else f"{k} {_quote(str(x))}" for k, v in options.items() if v is not None and defaults.get(k) != v
         for x in (v if isinstance(v, list) else [v])])

@@ -5,17 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from treepack.cli.common import (
-    NO_SYSTEM_OPTION,
-    NO_TOOLS_OPTION,
-    REASONING_OPTION,
-    TEMPLATE_ARG_OPTION,
-    TURNS_OPTION,
-    check_choice,
-    console,
-    handle_errors,
-    nothing_read,
-)
+from treepack.cli.common import Render, check_choice, console, handle_errors, nothing_read
 from treepack.cli.inputs import KEEP_PREFIX_HELP, TOKENIZER_HELP, chat_input, load_with_progress, size_option
 
 from treepack.pack.strategies import OVERSIZE
@@ -37,11 +27,11 @@ def report(
     tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
     keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help=KEEP_PREFIX_HELP),
-    turns: str = TURNS_OPTION,
-    reasoning: str = REASONING_OPTION,
-    no_system: bool = NO_SYSTEM_OPTION,
-    no_tools: bool = NO_TOOLS_OPTION,
-    template_arg: list[str] = TEMPLATE_ARG_OPTION,
+    turns: str = Render.turns,
+    reasoning: str = Render.reasoning,
+    no_system: bool = Render.no_system,
+    no_tools: bool = Render.no_tools,
+    template_arg: list[str] = Render.template_arg,
     on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, no 'wrote' line."),
 ) -> None:

@@ -8,18 +8,7 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
-from treepack.cli.common import (
-    NO_SYSTEM_OPTION,
-    NO_TOOLS_OPTION,
-    REASONING_OPTION,
-    TEMPLATE_ARG_OPTION,
-    TURNS_OPTION,
-    check_choice,
-    console,
-    err_console,
-    handle_errors,
-    nothing_read,
-)
+from treepack.cli.common import Render, check_choice, console, err_console, handle_errors, nothing_read
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
     TOKENIZER_HELP,
@@ -98,11 +87,11 @@ def stats(
     tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP + " Adds the drift report."),
     keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help=KEEP_PREFIX_HELP),
-    turns: str = TURNS_OPTION,
-    reasoning: str = REASONING_OPTION,
-    no_system: bool = NO_SYSTEM_OPTION,
-    no_tools: bool = NO_TOOLS_OPTION,
-    template_arg: list[str] = TEMPLATE_ARG_OPTION,
+    turns: str = Render.turns,
+    reasoning: str = Render.reasoning,
+    no_system: bool = Render.no_system,
+    no_tools: bool = Render.no_tools,
+    template_arg: list[str] = Render.template_arg,
     on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
     group_by: str = typer.Option("none", "--group-by", help="Sharing scope: none (whole input) or tree_id."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help=f"Model shape for the FLOP model: {', '.join(MODEL_SHAPES)}."),

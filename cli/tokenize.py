@@ -22,18 +22,7 @@ from treepack.cli.chat_inputs import (
     report_skipped,
     share,
 )
-from treepack.cli.common import (
-    NO_SYSTEM_OPTION,
-    NO_TOOLS_OPTION,
-    REASONING_OPTION,
-    TEMPLATE_ARG_OPTION,
-    TURNS_OPTION,
-    check_choice,
-    console,
-    err_console,
-    handle_errors,
-    nothing_read,
-)
+from treepack.cli.common import Render, check_choice, console, err_console, handle_errors, nothing_read
 
 from treepack.errors import TreepackError
 from treepack.io.chat_rollouts import ChatOptions, ChatRecords, write_chat_records
@@ -47,13 +36,13 @@ def tokenize(
                                                 "tau2 results), .parquet, a directory, or - for stdin."),
     tokenizer: Path = typer.Option(..., "--tokenizer", help="Tokenizer directory: tokenizer.json and a chat template."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Records to write: .jsonl, .jsonl.gz or .parquet."),
-    turns: str = TURNS_OPTION,
-    reasoning: str = REASONING_OPTION,
-    no_system: bool = NO_SYSTEM_OPTION,
-    no_tools: bool = NO_TOOLS_OPTION,
+    turns: str = Render.turns,
+    reasoning: str = Render.reasoning,
+    no_system: bool = Render.no_system,
+    no_tools: bool = Render.no_tools,
     keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help="Each turn = the previous turn's tokens "
                                             "through its end-of-turn token + the newly rendered rest (exact sharing)."),
-    template_arg: list[str] = TEMPLATE_ARG_OPTION,
+    template_arg: list[str] = Render.template_arg,
     drift: bool = typer.Option(False, "--drift", help="Print the drift report per input and the first divergences."),
     verify: int = typer.Option(0, "--verify", help="Check the records of the first N conversations against "
                                "transformers' apply_chat_template (needs transformers)."),
