@@ -64,6 +64,13 @@ def chat_options(*, turns: str = Render.turns.default, reasoning: str = Render.r
                        keep_prefix_tokens=keep_prefix_tokens, template_kwargs=template_args(template_arg or []))
 
 
+def rendering(tokenizer: str | os.PathLike, options: ChatOptions) -> dict:
+    """The tokenizer and rendering options that made a set of records, for ``--json`` outputs."""
+    return {"tokenizer": str(tokenizer), "turns": options.turns, "reasoning": options.reasoning,
+            "system": options.system, "tools": options.tools, "keep_prefix_tokens": options.keep_prefix_tokens,
+            "template_args": options.template_kwargs}
+
+
 def load_chats(files: list[str], tokenizer: str | os.PathLike, options: ChatOptions, *, on_error: str, quiet: bool,
                consistent: bool = False) -> ChatRecords:
     """Chat files -> records, with a progress bar on stderr for inputs of 1 MB and more (unless ``quiet``)."""

@@ -135,10 +135,11 @@ def stats(
         rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,
                                       keep_token_fields=False)
     else:  # chat transcripts: the records as tokenize makes them, and the drift report
-        from treepack.cli.chat_inputs import drift_summary, load_chats
+        from treepack.cli.chat_inputs import drift_summary, load_chats, rendering
 
         recs = load_chats(files, tokenizer, chat, on_error=on_error, quiet=quiet, consistent=True)
         rollouts, drift = recs.rollouts, drift_summary(recs)
+        drift["rendering"] = rendering(tokenizer, chat)  # what made these records: --json says how to redo them
     if len(rollouts) == 0:
         raise nothing_read(files, "sequences to analyse", rollouts)
     tree = PrefixTree.build(rollouts, group_by=group_by)

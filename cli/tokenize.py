@@ -19,6 +19,7 @@ from treepack.cli.chat_inputs import (
     drift_summary,
     load_chats,
     render_drift,
+    rendering,
     report_skipped,
     share,
 )
@@ -72,6 +73,7 @@ def tokenize(
     if output is not None:
         n_bytes = write_chat_records(output, recs)
     summary = drift_summary(recs)
+    summary["rendering"] = rendering(tokenizer, options)
     speed = recs.fresh.n_tokens / recs.seconds if recs.seconds > 0 else float("inf")
     if as_json:
         d = {

@@ -440,3 +440,14 @@ def test_a_bad_template_arg_is_a_usage_error_naming_the_problem(value, message):
     with pytest.raises(typer.BadParameter) as info:
         template_args([value])
     assert info.value.message == message
+
+
+def test_json_outputs_say_which_tokenizer_and_options_made_the_records():
+    want = {"tokenizer": str(CHAT_TOKENIZER), "turns": "last", "reasoning": "drop", "system": False, "tools": True,
+            "keep_prefix_tokens": False, "template_args": {"enable_thinking": False}}
+    opts = ("--tokenizer", CHAT_TOKENIZER, "--turns", "last", "--reasoning", "drop", "--no-system",
+            "--template-arg", "enable_thinking=false", "--json", "-q")
+    for command in ("tokenize", "stats"):
+        r = run(command, CHAT_SAMPLE, *opts)
+        assert r.code == 0, r.err
+        assert json.loads(r.out)["drift"]["rendering"] == want
