@@ -12,8 +12,8 @@ Backends (imported lazily, so ``import treepack.kernels`` needs neither triton n
   where it is installed, triton otherwise, reference off CUDA.
 
 Validation costs no host sync: shapes, dtypes and devices only. The values of ``subtree_end``
-(``k < subtree_end[k] <= T``) are checked once per pack by `prepare`, or by the reference backend's mask
-itself; pass a `TreeMaskInfo` from `prepare` to every layer to build the block schedule only once.
+(``k < subtree_end[k] <= T``) are checked once per pack by `prepare`, and on every reference call given a
+plain tensor (a host sync, on the slow path only); pass a `TreeMaskInfo` from `prepare` to every layer to build the block schedule only once.
 
 Shape suffixes: T pack tokens, P prefix tokens, H query heads, K kv heads, D head dim.
 """
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .backends import TRITON_DTYPES, TRITON_HEAD_DIMS, _triton_importable, pick_backend
-from .blocks import TreeMaskInfo, _dtype_name
+from .blocks import TreeMaskInfo, _dtype_name, check_subtree_end_values
 from .reference import tree_attention_reference
 
 __all__ = ["IMPLS", "TRITON_DTYPES", "TRITON_HEAD_DIMS", "tree_attention", "triton_unsupported_reason"]
@@ -183,6 +183,8 @@ def tree_attention(
         if impl == "triton" and triton_unsupported_reason(q) is not None:
             impl = "reference"
     if impl == "reference":
+        if isinstance(subtree_end, Tensor):  # a TreeMaskInfo's values were checked by `prepare`
+            check_subtree_end_values(subtree_end_T)
         return tree_attention_reference(
             q, k, v, subtree_end_T, prefix_k_PKD=prefix_k, prefix_v_PKD=prefix_v, scale=float(scale)
         )
