@@ -204,6 +204,9 @@ def test_input_errors_say_what_is_wrong():
         sft_loss(lp, [[1, 1, 1, 1, 1]])
     with pytest.raises(LossInputError, match=r"advantages: expected one per sequence \(1\), got shape \[2\]"):
         policy_loss(lp, None, [0.1, 0.2])
+    with pytest.raises(LossInputError, match=r"^loss_masks: sequence 0 holds 0.5; a loss mask is 0 or 1$"):
+        policy_loss(lp, None, [0.1], [[1, 0.5]])  # a weight would have counted as 1
+    assert sft_loss(lp, [[True, False]]) == sft_loss(lp, [[1, 0]]) == sft_loss(lp, [np.array([1.0, 0.0])])
     with pytest.raises(LossInputError, match="needs constant > 0"):
         sft_loss(lp, aggregation="seq-mean-token-sum-norm")
     with pytest.raises(LossInputError, match="aggregation must be one of token-mean, seq-mean-token-mean"):

@@ -48,7 +48,8 @@ class LossInputError(TreepackError):
 
 
 def _aligned(values, logps: Sequence[Tensor], name: str, *, dtype, fill=None) -> Tensor | None:
-    """Per-target flat tensor [R] from per-sequence values of length L-1 (targets) or L (tokens)."""
+    """Per-target flat tensor [R] from per-sequence values of length L-1 (targets) or L (tokens). For a bool
+    ``dtype`` the values must be 0 or 1 (checked where they are on the host: a GPU tensor is taken as is)."""
     if values is None:
         return None
     if len(values) != len(logps):
@@ -56,6 +57,11 @@ def _aligned(values, logps: Sequence[Tensor], name: str, *, dtype, fill=None) ->
     device = logps[0].device if len(logps) else None
     out = []
     for s, (v, lp) in enumerate(zip(values, logps)):
+        if dtype == torch.bool and not (isinstance(v, Tensor) and v.device.type != "cpu"):
+            host = torch.as_tensor(v)
+            odd = host[(host != 0) & (host != 1)] if host.dtype != torch.bool else host[:0]
+            if odd.numel():
+                raise LossInputError(f"{name}: sequence {s} holds {odd[0].item():g}; a loss mask is 0 or 1")
         v = torch.as_tensor(v, device=device)
         n = lp.shape[0]
         if v.shape[0] == n + 1:
