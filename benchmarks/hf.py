@@ -85,7 +85,7 @@ def load_workloads(tiny: bool, small: bool = False) -> list[Workload]:
 
 
 def _crop(r, n: int):
-    from treepack.hf.batch import rollouts_of
+    from treepack.io.sequences import rollouts_of
 
     arrays = [r.sequence(i)[-n:].astype(np.int64) for i in range(len(r))]  # the ends differ
     arrays = arrays + [a[: n // 2] for a in arrays[:2]]  # plus prefix-of-another sequences

@@ -61,3 +61,18 @@ def test_every_quickstart_command_runs(tmp_path):
     # unpack gave back the very bytes synth wrote (decompressed)
     assert gzip.decompress((tmp_path / "back.jsonl.gz").read_bytes()) == gzip.decompress(
         (tmp_path / "tau2.jsonl.gz").read_bytes())
+
+
+def test_the_python_example_runs_as_printed(tmp_path):
+    """The README's numpy-only example ("In Python") runs, prints the POR its comment says, and writes packs."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## In Python"):]
+    section = section[: section.index("\n## ", 4)]
+    block = re.search(r"\n\n((?:(?: {4}.*)?\n)+)", section).group(1)  # blank lines inside the block too
+    code = "\n".join(line[4:] for line in block.splitlines())
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) == pytest.approx(1 - 6 / 11)
+    assert (tmp_path / "packs" / "manifest.json").is_file()

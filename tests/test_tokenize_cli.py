@@ -429,12 +429,11 @@ def test_template_args_parse_as_json_and_python_spellings():
 @pytest.mark.parametrize("value,message", [
     ("novalue", "expected KEY=VALUE, got 'novalue'"),
     ("1x=2", "the key of '1x=2' must be a template variable name (letters, digits and _, not starting with a digit)"),
-    ("a-b=1", "the key of 'a-b=1' must be a template variable name (letters, digits and _, not starting with a "
-              "digit)"),
+    ("a-b=1", ("the key of 'a-b=1' must be a template variable name (letters, digits and _, not starting with a "
+               "digit)")),
 ])
 def test_a_bad_template_arg_is_a_usage_error_naming_the_problem(value, message):
     import typer
-
     from treepack.cli.chat_inputs import template_args
 
     with pytest.raises(typer.BadParameter) as info:

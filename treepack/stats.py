@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from treepack.errors import TreepackError
 from treepack.io.rollouts import Rollouts
 from treepack.tree import PrefixTree
 
@@ -147,6 +148,7 @@ class TreeStats:
         ]
 
     def to_dict(self) -> dict:
+        """Every field as JSON takes it (``stats --json``, the pack manifest): branching's keys as strings."""
         d = asdict(self)
         d["branching"] = {str(k): v for k, v in self.branching.items()}
         for k in ("capacity", "strategy", "n_packs", "n_pack_tokens", "err", "err_speedup", "n_oversize_skipped",
@@ -186,7 +188,11 @@ def compute_stats(
     model: str = DEFAULT_MODEL,
     top_groups: int = 10,
 ) -> TreeStats:
-    """All §4 numbers of a built tree (``rollouts`` only adds the skipped-record counts)."""
+    """All §4 numbers of a built tree. ``rollouts`` (the batch the tree was built from) adds the skipped-record
+    counts and its loss masks, which the FLOP model's head counts as the trained tokens (all tokens without
+    it); ``model``: a name of `MODEL_SHAPES`."""
+    if model not in MODEL_SHAPES:
+        raise TreepackError(f"unknown model shape {model!r}: expected one of {', '.join(MODEL_SHAPES)}")
     n = tree.n_sequences
     L = tree.lengths.astype(np.float64)
     n_flat = tree.n_flat_tokens

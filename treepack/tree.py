@@ -31,6 +31,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from treepack.errors import InputError
 from treepack.io.rollouts import Rollouts, _ranges
+from treepack.io.sequences import check_token_buffer
 
 SCOPES = ("none", "tree_id", "step")
 _LCP_CHUNK = 1 << 17  # tokens per LCP slice: its 512 KB window copies stay in cache (8 MB: 1.4x slower)
@@ -264,8 +265,13 @@ class PrefixTree:
 
     @classmethod
     def from_arrays(cls, tokens: np.ndarray, offsets: np.ndarray, scope: np.ndarray | None = None) -> PrefixTree:
-        tokens = np.asarray(tokens)
-        offsets = np.asarray(offsets, dtype=np.int64)
+        """The trie of the sequences ``tokens[offsets[i]:offsets[i + 1]]`` (``scope``: int64 per sequence, as in
+        `build`); a buffer the trie cannot take is refused by `check_token_buffer`."""
+        tokens, offsets = np.asarray(tokens), np.asarray(offsets)
+        check_token_buffer(tokens, offsets, what="PrefixTree")
+        offsets = offsets.astype(np.int64, copy=False)
+        if scope is not None and len(scope) != len(offsets) - 1:
+            raise InputError(f"PrefixTree: scope has {len(scope):,} values for {len(offsets) - 1:,} sequences")
         n = len(offsets) - 1
         order, lcp = sorted_with_lcp(tokens, offsets, scope)
         lengths = np.diff(offsets)[order]

@@ -17,7 +17,7 @@ with ``model.source = "hf"``). torch and transformers are imported here and nowh
 from treepack.hf.attention import IMPLEMENTATION, TreeAttentionError, register
 from treepack.hf.batch import PackLogprobs, TreeBatch
 from treepack.hf.check import SelfCheckError, exact_float64, self_check
-from treepack.hf.data import PackDataset, collate_pack, pack_rollouts, rollouts_from_sequences
+from treepack.hf.data import PackDataset, collate_pack, pack_rollouts
 from treepack.hf.forward import pack_logprobs, sequence_logprobs
 from treepack.hf.logprobs import padded_logprobs, token_logprobs
 from treepack.hf.losses import (
@@ -31,6 +31,7 @@ from treepack.hf.losses import (
 )
 from treepack.hf.parallel import RankShare, global_totals, pack_totals, shard_packs
 from treepack.hf.support import UnsupportedModelError
+from treepack.io.sequences import rollouts_from_sequences  # numpy only; exported here for trainers
 from treepack.train.losses import BatchTotals, kl_estimate
 
 __all__ = [

@@ -15,15 +15,13 @@ Legend: T pack tokens, S sequences, F their flat tokens (sum of lengths), R targ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.errors import TreepackError
-from treepack.io.rollouts import Rollouts
+from treepack.io.sequences import rollouts_of
 from treepack.pack.layout import Pack, build_pack
 
 # a sequence over the capacity: what a library caller can change (the CLI's hint names --oversize)
@@ -53,6 +51,8 @@ class TreeBatch:
 
     @classmethod
     def from_pack(cls, pack: Pack) -> TreeBatch:
+        """The pack's arrays as CPU tensors (copies: a shard's arrays are read-only)."""
+
         def t(a, dtype):
             return None if a is None else torch.tensor(np.asarray(a), dtype=dtype)  # a copy: shard arrays are read-only
 
@@ -96,6 +96,7 @@ class TreeBatch:
         return None if self.old_logprobs is None else self.per_sequence(self.old_logprobs)
 
     def to(self, device, non_blocking: bool = False) -> TreeBatch:
+        """The batch with every tensor on ``device`` (other fields as they are)."""
         out = {}
         for name, value in self.__dict__.items():
             out[name] = value.to(device, non_blocking=non_blocking) if isinstance(value, Tensor) else value
@@ -134,29 +135,6 @@ class PackLogprobs:
 # Token lists -> packs
 
 
-def as_token_arrays(sequences: Sequence) -> list[np.ndarray]:
-    """Token lists / arrays / 1-d tensors -> int64 numpy arrays (one line error naming a bad one)."""
-    out = []
-    for i, s in enumerate(sequences):
-        a = s.detach().cpu().numpy() if isinstance(s, Tensor) else np.asarray(s)
-        if a.ndim != 1:
-            raise TreepackError(f"sequence {i}: expected a 1-d list of token ids, got shape {list(a.shape)}")
-        if a.size and not np.issubdtype(a.dtype, np.integer):
-            raise TreepackError(f"sequence {i}: token ids must be integers, got {a.dtype}")
-        if a.size and int(a.min()) < 0:
-            raise TreepackError(f"sequence {i}: token ids must be >= 0, got {int(a.min())}")
-        out.append(a.astype(np.int64))
-    return out
-
-
-def rollouts_of(arrays: list[np.ndarray], **fields) -> Rollouts:
-    lengths = np.asarray([len(a) for a in arrays], dtype=np.int64)
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    tokens = np.concatenate(arrays).astype(np.int32) if arrays else np.zeros(0, np.int32)
-    return Rollouts(tokens=tokens, offsets=offsets, ids=list(range(len(arrays))), **fields)
-
-
 def plan_packs(arrays: list[np.ndarray], capacity: int | None) -> list[Pack]:
     """Packs of the non-empty sequences: one pack of all of them (``capacity=None``), else treepack's
     packing at ``capacity`` trie tokens per pack. ``seq_index`` refers to positions in ``arrays``."""
@@ -164,6 +142,7 @@ def plan_packs(arrays: list[np.ndarray], capacity: int | None) -> list[Pack]:
     if len(keep) == 0:
         return []
     r = rollouts_of([arrays[i] for i in keep.tolist()])
+    r.ids = keep.tolist()  # errors name the caller's sequence, not its place among the non-empty ones
     if capacity is None:
         groups = [np.arange(len(keep))]
     else:

@@ -4,15 +4,17 @@ A trainer's loop over packs is three lines::
 
     for batch in torch.utils.data.DataLoader(PackDataset("packs/"), batch_size=None):
         out = pack_logprobs(model, batch)                       # log-probs of the pack's tokens
-        loss = policy_loss(out.per_sequence(), *batch.policy_inputs()); loss.backward()
+        loss = policy_loss(out.per_sequence(), batch.old_logprobs_per_sequence(), batch.advantages,
+                           batch.loss_masks()); loss.backward()
 
 Sources (`PackDataset`):
 - a directory written by ``treepack pack`` (``manifest.json`` inside): its packs as stored, read lazily
   shard by shard (the packing was chosen offline, with the ``best`` strategy);
 - rollout files (``.jsonl[.gz]``, ``.parquet``) or a `Rollouts` batch: packed here with
   `treepack.pack`'s ``best`` strategy at ``capacity`` (one pack of everything when None);
-- `rollouts_from_sequences`: token lists straight out of a generator, with optional loss masks,
-  behaviour log-probs, rewards/advantages and group labels (GRPO groups) — packed on the fly.
+- `rollouts_from_sequences` (`treepack.io.sequences`, numpy only): token lists straight out of a generator,
+  with optional loss masks, behaviour log-probs, rewards/advantages and group labels (GRPO groups) — packed on
+  the fly.
 
 Each item is a `TreeBatch` (the pack's tensors, CPU; ``pin_memory`` supported). Splitting: packs are
 dealt to DataLoader workers round robin; with ``world_size > 1`` each rank first takes its share of all
@@ -23,61 +25,16 @@ written with ``--balance K``, the rank stored in the shard.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from treepack.errors import TreepackError
-from treepack.hf.batch import CAPACITY_HINT, TreeBatch, as_token_arrays, rollouts_of
+from treepack.hf.batch import CAPACITY_HINT, TreeBatch
 from treepack.io.rollouts import Rollouts
 from treepack.pack.layout import Pack, build_pack
 from treepack.train.distributed import rank_and_world
-
-
-def rollouts_from_sequences(sequences: Sequence, *, loss_masks=None, logprobs=None, rewards=None,
-                            advantages=None, groups=None, ids=None) -> Rollouts:
-    """A `Rollouts` batch from in-memory token lists (one entry per sequence in each optional field;
-    ``loss_masks`` and ``logprobs`` per token, as rollout records store them)."""
-    arrays = as_token_arrays(sequences)
-    n = len(arrays)
-    lengths = [len(a) for a in arrays]
-
-    def per_token(values, name, dtype):
-        if values is None:
-            return None
-        if len(values) != n:
-            raise TreepackError(f"{name}: {len(values)} entries for {n} sequences")
-        out = []
-        for s, (v, L) in enumerate(zip(values, lengths)):
-            v = np.asarray(v.detach().cpu() if isinstance(v, torch.Tensor) else v, dtype=dtype)
-            if v.shape != (L,):
-                raise TreepackError(f"{name}: sequence {s} has {v.shape[0] if v.ndim else 0} values for {L} tokens")
-            out.append(v)
-        return np.concatenate(out) if out else np.zeros(0, dtype)
-
-    def per_seq(values, name):
-        if values is None:
-            return None
-        v = np.asarray(values.detach().cpu() if isinstance(values, torch.Tensor) else values, dtype=np.float64)
-        if v.shape != (n,):
-            raise TreepackError(f"{name}: expected one value per sequence ({n}), got shape {list(v.shape)}")
-        return v
-
-    r = rollouts_of(arrays, loss_mask=per_token(loss_masks, "loss_masks", np.uint8),
-                    logprobs=per_token(logprobs, "logprobs", np.float64),
-                    rewards=per_seq(rewards, "rewards"), advantages=per_seq(advantages, "advantages"))
-    if groups is not None:
-        if len(groups) != n:
-            raise TreepackError(f"groups: {len(groups)} entries for {n} sequences")
-        names: dict = {}
-        r.groups = np.asarray([names.setdefault(g, len(names)) for g in groups], dtype=np.int64)
-        r.group_names = list(names)
-    if ids is not None:
-        r.ids = list(ids)
-    return r
 
 
 def pack_rollouts(r: Rollouts, capacity: int | None, *, strategy: str = "best") -> list[Pack]:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from treepack.errors import TreepackError
-from treepack.hf.batch import TreeBatch, as_token_arrays, plan_packs
+from treepack.hf.batch import TreeBatch, plan_packs
 from treepack.hf.check import ensure_checked
 from treepack.hf.forward import (
     DEFAULT_CHUNK_ROWS,
@@ -31,6 +31,7 @@ from treepack.hf.forward import (
     pack_logprobs,
     prepare_model,
 )
+from treepack.io.sequences import token_arrays
 
 
 def token_logprobs(model: nn.Module, sequences: Sequence, *, capacity: int | None = None,
@@ -47,7 +48,7 @@ def token_logprobs(model: nn.Module, sequences: Sequence, *, capacity: int | Non
     ``return_entropy``: also return each target's predictive entropy, ``(logps, entropies)``.
     Log-probs are float32 (float64 for float64 models), in input order; empty for sequences of < 2 tokens.
     """
-    arrays = as_token_arrays(sequences)
+    arrays = token_arrays(sequences, allow_empty=True)
     prep = prepare_model(model)
     device, dtype = model_device_dtype(prep.hf)
     vocab = prep.hf.get_input_embeddings().weight.shape[0]

@@ -7,6 +7,8 @@
   reads the records of any JSONL / JSON-array file for other readers), `arrow` (Parquet, column at once),
   `builder` (the columnar builder both fill), `extras` (what an exact unpack needs);
 - `records`: the way back out (``iter_records``, ``to_arrow``, ``write_rollouts``);
+- `sequences`: token lists in memory -> a checked batch (``rollouts_from_sequences``), and the checks the
+  library's entry points run on a hand-made one (``check_rollouts``);
 - chat transcripts in: `chats` (record forms), `chat_template` (rendering + tokenizing turns), `drift`,
   `chat_rollouts` (``tokenize_chats``: one record per assistant turn). They need ``tokenizers`` and
   ``jinja2`` (``treepack[chat]``), imported only when used.
@@ -17,9 +19,21 @@ from treepack.io.ingest import expand_paths, read_rollouts
 from treepack.io.jsonl import JsonRecord, iter_json_records
 from treepack.io.records import iter_records, to_arrow, write_rollouts
 from treepack.io.rollouts import GROUP_ALIASES, TOKEN_ALIASES, Progress, Rollouts, Source
+from treepack.io.sequences import check_rollouts, rollouts_from_sequences
 
 __all__ = [
-    "GROUP_ALIASES", "TOKEN_ALIASES", "JsonRecord", "Progress", "Rollouts", "Source", "expand_paths",
-    "iter_json_records", "iter_records",
-    "read_rollouts", "to_arrow", "write_rollouts",
+    "GROUP_ALIASES",
+    "TOKEN_ALIASES",
+    "JsonRecord",
+    "Progress",
+    "Rollouts",
+    "Source",
+    "check_rollouts",
+    "expand_paths",
+    "iter_json_records",
+    "iter_records",
+    "read_rollouts",
+    "rollouts_from_sequences",
+    "to_arrow",
+    "write_rollouts",
 ]

@@ -78,9 +78,11 @@ class Rollouts:
         return int(sum(self.skipped.values()))
 
     def sequence(self, i: int) -> np.ndarray:
+        """Sequence ``i``'s tokens (a view of the flat buffer)."""
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
     def loss_mask_of(self, i: int) -> np.ndarray:
+        """Sequence ``i``'s loss mask (all ones when the batch has none)."""
         n = int(self.offsets[i + 1] - self.offsets[i])
         if self.loss_mask is None:
             return np.ones(n, dtype=np.uint8)

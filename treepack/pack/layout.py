@@ -30,6 +30,7 @@ import numpy as np
 
 from treepack.errors import TreepackError
 from treepack.io.rollouts import _ranges
+from treepack.io.sequences import check_rollouts
 
 if TYPE_CHECKING:
     from treepack.io.rollouts import Rollouts
@@ -94,11 +95,16 @@ def build_pack(
     """
     from treepack.tree import PrefixTree
 
+    check_rollouts(r)
     if index is None:
         index = np.arange(len(r), dtype=np.int64)
     index = np.asarray(index, dtype=np.int64)
     if len(index) == 0:
         raise TreepackError("a pack needs at least one sequence")
+    if int(index.min()) < 0 or int(index.max()) >= len(r) or len(np.unique(index)) != len(index):
+        raise TreepackError(f"a pack's sequences must be distinct indices in [0, {len(r)}), got {index.tolist()[:8]}")
+    if pad_to is not None and (isinstance(pad_to, bool) or int(pad_to) <= 0):
+        raise TreepackError(f"pad_to must be positive, got {pad_to!r}")
     sub = r.select(index)
     tree = PrefixTree.from_arrays(sub.tokens, sub.offsets, None if scope is None else np.asarray(scope)[index])
     order = tree.order

@@ -281,7 +281,8 @@ def write_shards(
 
     ``pad_to`` pads each pack to a multiple of it (block alignment; ``n_real`` marks the real tokens).
     ``balance`` = K assigns each pack a data-parallel rank (``treepack.pack.balance``). ``group_by`` must be the
-    one the packing used. ``progress`` is called with 1 after each pack.
+    one the packing used. ``stats``: the input's `TreeStats` for the manifest (computed here when None, as the
+    CLI's stats of the same input). ``progress`` is called with 1 after each pack.
     """
     out = Path(out_dir)
     check_output_dir(out)
@@ -307,8 +308,10 @@ def write_shards(
     padding = 0
     for p, index in enumerate(packing.packs):
         pack = build_pack(rollouts, index, scope=scope, pad_to=pad_to)
-        if pack.n_real != int(packing.pack_tokens[p]):
-            raise AssertionError(f"pack {p}: layout has {pack.n_real} tokens, packing counted {int(packing.pack_tokens[p])}")
+        if pack.n_real != int(packing.pack_tokens[p]):  # another group_by than the packing's, or other rollouts
+            raise TreepackError(f"pack {p}: its layout has {pack.n_real:,} tokens where the packing counted "
+                                f"{int(packing.pack_tokens[p]):,}: write_shards needs the rollouts and the group_by "
+                                "the packing was made from")
         padding += pack.n_tokens - pack.n_real
         step = None if packing.pack_steps is None else int(packing.pack_steps[p])
         rank = None if bal is None else int(bal.ranks[p])
@@ -320,7 +323,12 @@ def write_shards(
             progress(1)
     writer.flush()
 
-    st = stats.to_dict() if stats is not None else {}
+    if stats is None:  # the manifest holds the input's stats (DESIGN §6) whoever calls
+        from treepack.stats import compute_stats
+        from treepack.tree import PrefixTree
+
+        stats = compute_stats(PrefixTree.build(rollouts, group_by=group_by), rollouts=rollouts, model=model)
+    st = stats.to_dict()
     st.update({"capacity": packing.capacity, "strategy": packing.strategy, "n_packs": packing.n_packs,
                "n_pack_tokens": packing.n_pack_tokens, "err": packing.err,
                "err_speedup": 1.0 / (1.0 - packing.err) if packing.err < 1 else math.inf,

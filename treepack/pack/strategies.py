@@ -60,6 +60,7 @@ import numpy as np
 
 from treepack.errors import CapacityError, TreepackError
 from treepack.io.rollouts import Rollouts
+from treepack.io.sequences import check_rollouts
 from treepack.pack.multipath import BudgetExceeded, TreeView, solve
 from treepack.pack.packers import (
     _Forest,
@@ -71,6 +72,7 @@ from treepack.pack.packers import (
     first_fit_labels,
     next_fit,  # noqa: F401 (re-exported: moved to treepack.pack.packers, still importable from here)
 )
+from treepack.sizes import parse_size
 from treepack.tree import PrefixTree, scope_codes
 
 STRATEGIES = ("best", "first-fit", "dfs", "optimal")
@@ -129,7 +131,14 @@ def describe_sequence(r: Rollouts, i: int) -> str:
             name = "<stdin>" if src.path == "-" else src.path
             return f"{name}: sequence id {r.ids[i]!r} (record {i - base})"
         base += src.n_records
-    return f"sequence id {r.ids[i]!r} (record {i})"
+    return f"sequence {r.ids[i]!r}"  # in memory: the id is what the caller knows it by
+
+
+def _same_batch(tree: PrefixTree, r: Rollouts) -> bool:
+    """Whether ``tree`` was built from ``r``'s tokens (a tree of other data is rebuilt, not trusted)."""
+    if tree.tokens is r.tokens and tree.offsets is r.offsets:
+        return True
+    return np.array_equal(tree.offsets, r.offsets) and np.array_equal(tree.tokens, r.tokens)
 
 
 def pack_sequences(
@@ -147,13 +156,17 @@ def pack_sequences(
     ``group_by="tree_id"`` keeps each tree_id its own trie (no sharing across groups); sharing never crosses
     a ``step`` and neither do packs. ``oversize``: a sequence longer than ``capacity`` raises
     ``CapacityError`` naming it and ending with ``oversize_hint`` (``"error"``) or is left out and counted
-    (``"skip"``). ``tree`` reuses a
-    PrefixTree already built from the same rollouts and ``group_by``.
+    (``"skip"``). ``tree`` reuses a PrefixTree already built from the same rollouts and ``group_by`` (one of
+    other tokens or scopes is rebuilt). ``capacity``: tokens, or a size such as "60k" (`treepack.sizes`).
     """
+    check_rollouts(rollouts)
     if strategy not in STRATEGIES:
         raise TreepackError(f"unknown packing strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
     if oversize not in OVERSIZE:
         raise TreepackError(f"oversize must be 'error' or 'skip', got {oversize!r}")
+    capacity = parse_size(capacity, what="capacity") if isinstance(capacity, str) else capacity
+    if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool):
+        raise TreepackError(f"capacity must be a whole number of tokens or a size such as \"60k\", got {capacity!r}")
     capacity = int(capacity)
     if capacity <= 0:
         raise TreepackError(f"capacity must be positive, got {capacity}")
@@ -173,7 +186,7 @@ def pack_sequences(
         tree = None
     scope, _ = scope_codes(rollouts, group_by)
     batch_in = np.zeros(len(rollouts), np.int64) if rollouts.steps is None else rollouts.steps
-    if (tree is None or tree.n_sequences != len(rollouts) or not _batches_contiguous(batch_in[tree.order])
+    if (tree is None or not _same_batch(tree, rollouts) or not _batches_contiguous(batch_in[tree.order])
             or not np.array_equal(tree.scope, np.zeros(len(rollouts), np.int64) if scope is None else scope[tree.order])):
         tree = PrefixTree.from_arrays(rollouts.tokens, rollouts.offsets, scope)
     forest = _Forest(tree, batch_in[tree.order], capacity)
