@@ -132,9 +132,15 @@ def check_token_buffer(tokens, offsets, ids: list | None = None, what: str = "Ro
             raise InputError(f"{what}: token id {low if low < 0 else high} is outside [0, {INT32_MAX}]")
 
 
-def check_rollouts(r: Rollouts) -> None:
-    """`check_token_buffer` of the batch, and per-token / per-sequence fields of the right length."""
-    check_token_buffer(r.tokens, r.offsets, r.ids)
+def check_rollouts(r: Rollouts, *, deep: bool = True) -> None:
+    """Per-token / per-sequence fields of the right length, and (``deep``) `check_token_buffer` of the batch.
+    Without ``deep`` it costs O(1), for callers that check a sub-batch's buffer themselves (`build_pack`, once
+    per pack of a large batch)."""
+    if not isinstance(r.tokens, np.ndarray) or not isinstance(r.offsets, np.ndarray):
+        raise InputError("Rollouts: tokens and offsets must be numpy arrays (rollouts_from_sequences builds a batch "
+                         "from lists)")
+    if deep:
+        check_token_buffer(r.tokens, r.offsets, r.ids)
     n, N = len(r.offsets) - 1, len(r.tokens)
     if len(r.ids) != n:
         raise InputError(f"Rollouts.ids: {len(r.ids)} entries for {n} sequences")

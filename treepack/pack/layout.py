@@ -30,7 +30,7 @@ import numpy as np
 
 from treepack.errors import TreepackError
 from treepack.io.rollouts import _ranges
-from treepack.io.sequences import check_rollouts
+from treepack.io.sequences import check_rollouts, check_token_buffer
 
 if TYPE_CHECKING:
     from treepack.io.rollouts import Rollouts
@@ -95,7 +95,7 @@ def build_pack(
     """
     from treepack.tree import PrefixTree
 
-    check_rollouts(r)
+    check_rollouts(r, deep=False)  # O(1): this runs once per pack of a batch; its sequences are checked below
     if index is None:
         index = np.arange(len(r), dtype=np.int64)
     index = np.asarray(index, dtype=np.int64)
@@ -105,7 +105,13 @@ def build_pack(
         raise TreepackError(f"a pack's sequences must be distinct indices in [0, {len(r)}), got {index.tolist()[:8]}")
     if pad_to is not None and (isinstance(pad_to, bool) or int(pad_to) <= 0):
         raise TreepackError(f"pad_to must be positive, got {pad_to!r}")
+    if int(r.offsets[0]) != 0 or int(r.offsets[-1]) != len(r.tokens):
+        check_token_buffer(r.tokens, r.offsets, r.ids)  # names what is wrong
+    starts, ends = r.offsets[index], r.offsets[index + 1]
+    if bool((ends <= starts).any()) or int(ends.max()) > len(r.tokens):
+        check_token_buffer(r.tokens, r.offsets, r.ids)
     sub = r.select(index)
+    check_token_buffer(sub.tokens, sub.offsets, [r.ids[i] for i in index.tolist()])
     tree = PrefixTree.from_arrays(sub.tokens, sub.offsets, None if scope is None else np.asarray(scope)[index])
     order = tree.order
     seq_offsets, token_index = tree.paths()
