@@ -60,6 +60,8 @@ def test_every_source_yields_every_sequence_once(shard_dir, tmp_path):
     assert seen(PackDataset(path, capacity=30)) == list(range(N))
     assert seen(PackDataset(rollouts(), capacity=30)) == list(range(N))
     assert seen(PackDataset(rollouts())) == list(range(N))  # one pack
+    assert seen(PackDataset(SEQS, capacity=30)) == list(range(N))  # token lists as they are
+    assert seen(PackDataset([np.asarray(s) for s in SEQS])) == list(range(N))
 
 
 def test_workers_and_ranks_split_without_loss_or_repeat(shard_dir):

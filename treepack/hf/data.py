@@ -12,9 +12,9 @@ Sources (`PackDataset`):
   shard by shard (the packing was chosen offline, with the ``best`` strategy);
 - rollout files (``.jsonl[.gz]``, ``.parquet``) or a `Rollouts` batch: packed here with
   `treepack.pack`'s ``best`` strategy at ``capacity`` (one pack of everything when None);
-- `rollouts_from_sequences` (`treepack.io.sequences`, numpy only): token lists straight out of a generator,
-  with optional loss masks, behaviour log-probs, rewards/advantages and group labels (GRPO groups) — packed on
-  the fly.
+- token lists straight out of a generator (`PackDataset([[1, 2, 3], ...])`), or a batch of them with loss
+  masks, behaviour log-probs, rewards/advantages and group labels (GRPO groups) from `rollouts_from_sequences`
+  (`treepack.io.sequences`, numpy only) — packed on the fly.
 
 Each item is a `TreeBatch` (the pack's tensors, CPU; ``pin_memory`` supported). Splitting: packs are
 dealt to DataLoader workers round robin; with ``world_size > 1`` each rank first takes its share of all
@@ -33,6 +33,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from treepack.errors import TreepackError
 from treepack.hf.batch import CAPACITY_HINT, TreeBatch
 from treepack.io.rollouts import Rollouts
+from treepack.io.sequences import rollouts_from_sequences
 from treepack.pack.layout import Pack, build_pack
 from treepack.train.distributed import rank_and_world
 
@@ -77,10 +78,12 @@ class PackDataset(IterableDataset):
                 return
         else:
             r = self.source
-            if not isinstance(r, Rollouts):
+            paths = [r] if isinstance(r, (str, Path)) else None if isinstance(r, Rollouts) else list(r)
+            if paths and not all(isinstance(p, (str, Path)) for p in paths):  # token lists: see the module doc
+                r = rollouts_from_sequences(paths)
+            elif paths is not None:
                 from treepack.io.ingest import read_rollouts
 
-                paths = [self.source] if isinstance(self.source, (str, Path)) else list(self.source)
                 r = read_rollouts([str(p) for p in paths])
             packs = pack_rollouts(r, self.capacity, strategy=self.strategy)
             if self.world_size == 1:
