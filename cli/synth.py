@@ -6,6 +6,7 @@ the file; a progress bar on a terminal, then one summary line on stderr.
 
 from __future__ import annotations
 
+import math
 import sys
 from enum import Enum
 
@@ -39,7 +40,7 @@ def synth(
     kind: Kind = typer.Argument(..., help="Shape preset (see treepack.datasets.synth).", show_default=False),
     output: str = typer.Option(..., "-o", "--output", help="File .jsonl, .jsonl.gz, .parquet; - = stdout."),
     n: int = typer.Option(8, "-n", "--trees", min=1, help="Trees: tasks (prompts), each a group of samples."),
-    seed: int = typer.Option(0, "--seed", help="Random seed: the same seed gives the same bytes."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Random seed: the same seed gives the same bytes."),
     think: bool | None = typer.Option(
         None, "--think/--no-think", show_default=False,
         help="Open each turn with <think>...</think>, dropped from later turns' context [default: per kind].",
@@ -50,13 +51,18 @@ def synth(
     turns: float | None = typer.Option(None, "--turns", min=1, help="Median assistant turns per sample."),
     system_tokens: int | None = typer.Option(None, "--system-tokens", min=0, help="Shared prompt; 0 = none."),
     max_len: str | None = typer.Option(None, "--max-len", help="Context limit, e.g. 16K."),
-    vocab: int | None = typer.Option(None, "--vocab", min=64, help="Vocabulary [default: 151669]."),
+    vocab: int | None = typer.Option(None, "--vocab", min=64, max=2**31, help="Vocabulary [default: 151669]."),
     settings: list[str] | None = typer.Option(
         None, "--set", help="Any config field, key=value: --set response.median=120 --set fork_prob=0.2."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, no summary line."),
 ) -> None:
     """Write synthetic rollouts (one record per assistant turn) with realistic prefix-tree shapes."""
+    if turns is not None and not math.isfinite(turns):
+        raise typer.BadParameter(f"must be a finite number, got {turns}", param_hint="--turns")
+    if steps is not None and steps > n:
+        raise typer.BadParameter(f"{steps} steps need at least as many trees, got -n {n} (a tree is in one step)",
+                                 param_hint="--steps")
     cfg = lib.preset(kind.value)
     overrides: dict[str, object] = {"logprobs": logprobs, "steps": steps}
     given = {"think": think, "group_size": group_size, "system_tokens": system_tokens, "vocab": vocab}
@@ -78,6 +84,12 @@ def synth(
         sys.stderr.write(
             f"synth {kind.value}: {res.trees:,} trees, {res.records:,} records, {res.tokens:,} tokens "
             f"-> {where} ({res.seconds:.1f} s, {_si(rate)} tokens/s)\n"
+        )
+    if res.samples < res.samples_asked:  # said even with --quiet: these samples are not in the file
+        sys.stderr.write(
+            f"left out: {res.samples_asked - res.samples:,} of {res.samples_asked:,} samples, whose first turn does "
+            f"not fit max_len = {cfg.max_len:,} tokens ({res.trees - res.trees_written:,} trees without any); "
+            "their groups' advantages are over the samples written\n"
         )
 
 

@@ -42,7 +42,9 @@ Design and trade-offs:
 - **A context limit, not truncation.** A branch ends before its first record longer than ``max_len``
   (as a rollout engine stops at the context limit), so no record is ever cut mid-turn.
 - Rewards are Bernoulli per sample with a per-task success rate ~ Beta; advantages are GRPO's
-  ``(r - mean_group) / (std_group + 1e-6)`` (population std), shared by every record of a sample.
+  ``(r - mean_group) / (std_group + 1e-6)`` (population std) over the group's samples that have records,
+  shared by every record of a sample. A sample whose first turn does not fit ``max_len`` has none; `write`
+  counts them.
 """
 
 from __future__ import annotations
@@ -260,7 +262,7 @@ def _chunk(cfg: SynthConfig, vocab: Vocab, system_ids: np.ndarray, rng: np.rando
     base = system_ids.size + _FRAME[_PROMPT] + prompt_body
     turns = _grow(cfg, rng, seg, base[sample_tree])
     if turns.depth.size == 0:  # every first turn is over max_len
-        return pa.RecordBatch.from_pylist([], schema=schema(cfg))
+        return pa.RecordBatch.from_pylist([], schema=schema(cfg)), 0, 0
     lead = np.stack([np.full(n_trees * g, sys_seg), prompt_seg[sample_tree]], axis=1)
     order, mat, trained = _records(turns, head_seg, lead, cfg.think and cfg.think_drop == "user")
     pool, pool_mask, seg_start, seg_len = seg.materialize(vocab, rng, system_ids)
@@ -284,9 +286,7 @@ def _chunk(cfg: SynthConfig, vocab: Vocab, system_ids: np.ndarray, rng: np.rando
     sample = turns.sample[order]
     tree = sample // g
     k = np.arange(sample.size) - np.searchsorted(sample, sample)  # record index within its sample
-    mean = np.bincount(sample_tree, reward, n_trees) / g
-    std = np.sqrt(np.bincount(sample_tree, (reward - mean[sample_tree]) ** 2, n_trees) / g)
-    advantage = (reward - mean[sample_tree]) / (std[sample_tree] + 1e-6)
+    advantage = _advantages(reward, sample_tree, np.bincount(sample, minlength=n_trees * g) > 0, n_trees)
 
     tree_id = tree + tree_lo
     id_parts = (pa.array(x).cast(pa.string()) for x in (tree_id, sample % g, k))
@@ -308,7 +308,17 @@ def _chunk(cfg: SynthConfig, vocab: Vocab, system_ids: np.ndarray, rng: np.rando
         lp[hot] = np.maximum(-0.1 * rng.standard_exponential(hot.size, dtype=np.float32) ** 2, -30.0)
         lp_flat = np.where(mask, lp[idx], np.float32(0))
         cols["logprobs"] = pa.ListArray.from_arrays(off, pa.array(lp_flat, pa.float32()))
-    return pa.RecordBatch.from_pydict(cols, schema=schema(cfg))
+    n_samples = len(np.unique(sample))
+    return pa.RecordBatch.from_pydict(cols, schema=schema(cfg)), n_samples, len(np.unique(tree))
+
+
+def _advantages(reward: np.ndarray, sample_tree: np.ndarray, present: np.ndarray, n_trees: int) -> np.ndarray:
+    """GRPO's ``(r - mean_group) / (std_group + 1e-6)`` (population std) over the samples of each group that
+    have records (``present``): a sample whose first turn is over ``max_len`` is not part of the group."""
+    count = np.bincount(sample_tree, present, n_trees)
+    mean = np.bincount(sample_tree, reward * present, n_trees) / np.maximum(count, 1)
+    var = np.bincount(sample_tree, present * (reward - mean[sample_tree]) ** 2, n_trees) / np.maximum(count, 1)
+    return (reward - mean[sample_tree]) / (np.sqrt(var)[sample_tree] + 1e-6)
 
 
 def schema(cfg: SynthConfig) -> pa.Schema:
@@ -352,6 +362,12 @@ def iter_batches(
     Memory stays at one chunk (~8M tokens), so any size can be streamed to a file.
     """
     cfg = _resolve(kind, overrides)
+    for batch, _, _ in _chunks(cfg, n, seed):
+        yield batch
+
+
+def _chunks(cfg: SynthConfig, n: int, seed: int) -> Iterator[tuple[pa.RecordBatch, int, int]]:
+    """(batch, samples with records, trees with records) per chunk of trees."""
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise ConfigError(f"n (number of trees) must be a positive integer, got {n!r}")
     vocab = Vocab(cfg.vocab)
@@ -370,24 +386,34 @@ def generate(kind: str | SynthConfig, n: int, *, seed: int = 0, **overrides: obj
 
 class WriteResult(NamedTuple):
     path: str
-    trees: int
+    trees: int  # asked for
     records: int
     tokens: int
     seconds: float
+    samples: int = 0  # samples written: those whose first turn fits max_len
+    samples_asked: int = 0  # trees x group_size
+    trees_written: int = 0  # trees with at least one sample written
 
 
 def write(kind: str | SynthConfig, n: int, path: str | Path, *, seed: int = 0,
           progress: Callable[[int], None] | None = None, **overrides: object) -> WriteResult:
     """Stream the rollouts of ``n`` trees to ``path``: ``.jsonl``, ``.jsonl.gz``, ``.parquet`` or ``-``.
 
-    ``progress(trees_done)`` is called after each chunk.
+    ``progress(trees_done)`` is called after each chunk. Samples whose first turn does not fit ``max_len`` have
+    no record and are counted (`WriteResult`); when no record fits, nothing is written and it is an error.
     """
     cfg = _resolve(kind, overrides)
     start = time.perf_counter()
+    samples = trees_written = 0
     with RolloutWriter(path, schema(cfg)) as out:
         per = trees_per_chunk(cfg)
-        for k, batch in enumerate(iter_batches(cfg, n, seed=seed)):
+        for k, (batch, kept, kept_trees) in enumerate(_chunks(cfg, n, seed)):
             out.write(batch)
+            samples, trees_written = samples + kept, trees_written + kept_trees
             if progress is not None:
                 progress(min(n, (k + 1) * per))
-    return WriteResult(str(path), n, out.records, out.tokens, time.perf_counter() - start)
+        if out.records == 0:  # raised inside the block: the file is not created
+            raise ConfigError(f"no record fits max_len = {cfg.max_len:,} tokens: the shared prompt and the first "
+                              f"turn need more ({cfg.system_tokens:,} system tokens); raise max_len")
+    return WriteResult(str(path), n, out.records, out.tokens, time.perf_counter() - start, samples,
+                       n * cfg.group_size, trees_written)

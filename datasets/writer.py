@@ -69,6 +69,8 @@ class RolloutWriter:
         parent = Path(self.path).parent
         if not parent.is_dir():
             raise TreepackError(f"cannot write {self.path}: directory {str(parent)!r} does not exist")
+        if Path(self.path).is_dir():  # found before the work, not at the rename after it
+            raise TreepackError(f"cannot write {self.path}: it is a directory")
         self._tmp = str(parent / f".{Path(self.path).name}.{os.getpid()}.tmp")
         if self.format == "parquet":
             scalars = [f.name for f in schema if not pa.types.is_list(f.type)]

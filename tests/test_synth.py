@@ -320,6 +320,14 @@ def test_cli_options_reach_the_config(tmp_path):
         (["synth", "tau2", "-o", "x.jsonl", "--set", "turns"], 2, "expected key=value, got 'turns'"),
         (["synth", "tau2", "-o", "no/such/dir/x.jsonl"], 1,
          "Error: cannot write no/such/dir/x.jsonl: directory 'no/such/dir' does not exist\n"),
+        (["synth", "tau2", "-n", "3", "--max-len", "1K", "-o", "x.jsonl"], 1,
+         ("Error: no record fits max_len = 1,024 tokens: the shared prompt and the first turn need more (1,200 "
+          "system tokens); raise max_len\n")),
+        (["synth", "tau2", "-o", "x.jsonl", "--seed", "-1"], 2, "Invalid value for '--seed'"),
+        (["synth", "tau2", "-o", "x.jsonl", "--turns", "inf"], 2, "must be a finite number, got inf"),
+        (["synth", "tau2", "-o", "x.jsonl", "--vocab", str(2**32)], 2, "Invalid value for '--vocab'"),
+        (["synth", "low-overlap", "-n", "2", "--steps", "5", "-o", "x.jsonl"], 2,
+         "5 steps need at least as many trees, got -n 2 (a tree is in one step)"),
     ],
 )
 def test_cli_errors(tmp_path, monkeypatch, args, code, message):
@@ -331,6 +339,32 @@ def test_cli_errors(tmp_path, monkeypatch, args, code, message):
     else:
         assert message in r.err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_refuses_a_directory_before_the_work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir.jsonl").mkdir()
+    r = run("synth", "tau2", "-o", "dir.jsonl")
+    assert (r.code, r.err) == (1, "Error: cannot write dir.jsonl: it is a directory\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["dir.jsonl"]  # no temporary file left
+
+
+def test_samples_over_max_len_are_counted_and_left_out_of_their_groups(tmp_path):
+    """grpo-math at a 2K context: samples whose first turn does not fit have no record, the line says how many,
+    and each group's advantages are over the samples written (zero mean, as GRPO's over a group)."""
+    out = tmp_path / "k.jsonl"
+    r = run("synth", "grpo-math", "-n", "4", "--max-len", "2K", "-o", out, "-q")
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    samples = {tuple(rec["id"].split("/")[:2]): rec for rec in records}
+    assert r.code == 0 and r.err == (
+        f"left out: {64 - len(samples)} of 64 samples, whose first turn does not fit max_len = 2,048 tokens "
+        "(0 trees without any); their groups' advantages are over the samples written\n")
+    assert 0 < len(samples) < 64
+    for tree in {t for t, _ in samples}:
+        group = np.array([rec["reward"] for (t, _), rec in samples.items() if t == tree])
+        adv = np.array([rec["advantage"] for (t, _), rec in samples.items() if t == tree])
+        np.testing.assert_allclose(adv, (group - group.mean()) / (group.std() + 1e-6), rtol=1e-12, atol=1e-12)
+    assert run("synth", "grpo-math", "-n", "4", "-o", tmp_path / "full.jsonl", "-q").err == ""  # default: none
 
 
 # --- bundled samples ----------------------------------------------------------------------------
