@@ -14,7 +14,9 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from treepack.cli.common import err_console, handle_errors
 from treepack.datasets import synth as lib
+from treepack.datasets.writer import output_format
 
+from treepack.errors import TreepackError
 from treepack.sizes import parse_size
 
 
@@ -58,6 +60,10 @@ def synth(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, no summary line."),
 ) -> None:
     """Write synthetic rollouts (one record per assistant turn) with realistic prefix-tree shapes."""
+    try:
+        output_format(output)
+    except TreepackError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--output") from None
     if turns is not None and not math.isfinite(turns):
         raise typer.BadParameter(f"must be a finite number, got {turns}", param_hint="--turns")
     if steps is not None and steps > n:
@@ -70,7 +76,10 @@ def synth(
     if turns is not None:
         overrides["turns"] = cfg.turns.with_median(turns)
     if max_len is not None:
-        overrides["max_len"] = parse_size(max_len, what="--max-len")
+        try:
+            overrides["max_len"] = parse_size(max_len, what="--max-len")
+        except TreepackError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--max-len") from None
     cfg = lib.configure(lib.configure(cfg, overrides), _settings(settings or []))
 
     show_bar = not quiet and output != "-" and err_console.is_terminal

@@ -310,9 +310,9 @@ def test_cli_options_reach_the_config(tmp_path):
     "args, code, message",
     [
         (["synth", "tau3", "-o", "x.jsonl"], 2, "Invalid value for 'kind'"),
-        (["synth", "tau2", "-o", "x.txt"], 1,
-         ("Error: cannot tell the output format of 'x.txt': "
-         "use .jsonl, .jsonl.gz or .parquet (or - for stdout)\n")),
+        (["synth", "tau2", "-o", "x.txt"], 2,
+         "cannot tell the output format of 'x.txt': use .jsonl, .jsonl.gz or .parquet (or - for stdout)"),
+        (["synth", "tau2", "-o", "x.jsonl", "--max-len", "abc"], 2, "invalid --max-len 'abc'"),
         (["synth", "tau2", "-o", "x.jsonl", "--set", "turn.median=3"], 1,
          "Error: unknown synth setting 'turn.median': did you mean 'turns.median'?\n"),
         (["synth", "tau2", "-o", "x.jsonl", "--set", "tool_prob=lots"], 1,
