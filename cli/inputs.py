@@ -108,6 +108,22 @@ def size_option(text: str, option: str, what: str) -> int:
         raise typer.BadParameter(str(exc), param_hint=option) from None
 
 
+MAX_DPI = 1200  # the largest figure (12 x 8 in) is then 14,400 x 9,600 px: ~0.7 GB and 5 s to draw
+
+
+def check_dpi(dpi: int) -> None:
+    """Usage error (exit 2) for a ``--dpi`` outside 10..MAX_DPI (beyond, the pixels of one figure exhaust memory)."""
+    if not 10 <= dpi <= MAX_DPI:
+        raise typer.BadParameter(f"must be between 10 and {MAX_DPI}, got {dpi}", param_hint="--dpi")
+
+
+def report_skipped_records(r: Rollouts) -> None:
+    """The stderr lines of ``--on-error skip`` on the bad records left out (stats' and tokenize's wording)."""
+    from treepack.cli.chat_inputs import report_skipped
+
+    report_skipped(r)
+
+
 def report_oversize(r: Rollouts, p: Packing) -> None:
     """One stderr line on the sequences dropped by ``--oversize skip``."""
     if not p.n_oversize_skipped:

@@ -8,10 +8,13 @@ import typer
 from treepack.cli.common import Render, check_choice, console, err_console, handle_errors, nothing_read
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
+    MAX_DPI,
     TOKENIZER_HELP,
     chat_input,
+    check_dpi,
     load_with_progress,
     report_oversize,
+    report_skipped_records,
     size_option,
 )
 
@@ -37,7 +40,7 @@ def plot(
     strategy: str = typer.Option("best", "--strategy", help=f"packs: packing strategy ({', '.join(STRATEGIES)})."),
     oversize: str = typer.Option("error", "--oversize", help="packs: sequences longer than the capacity: error or skip."),
     max_nodes: int = typer.Option(MAX_TREE_NODES, "--max-nodes", help="tree: summarise trees with more nodes than this."),
-    dpi: int = typer.Option(DEFAULT_DPI, "--dpi", help="Resolution of PNG output (dots per inch)."),
+    dpi: int = typer.Option(DEFAULT_DPI, "--dpi", help=f"Resolution of PNG output (dots per inch, 10 to {MAX_DPI})."),
     tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
     keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help=KEEP_PREFIX_HELP),
@@ -60,8 +63,7 @@ def plot(
         raise typer.BadParameter("--kind packs needs --capacity", param_hint="--capacity")
     if max_nodes < 2:
         raise typer.BadParameter("must be at least 2", param_hint="--max-nodes")
-    if dpi < 10:
-        raise typer.BadParameter("must be at least 10", param_hint="--dpi")
+    check_dpi(dpi)
     cap = size_option(capacity, "--capacity", "capacity") if capacity is not None else None
 
     chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, turns=turns, reasoning=reasoning,
@@ -70,6 +72,7 @@ def plot(
                                   tokenizer=tokenizer, chat=chat)
     if len(rollouts) == 0:
         raise nothing_read(files, "sequences to plot", rollouts)
+    report_skipped_records(rollouts)
     tree = PrefixTree.build(rollouts, group_by=group_by)
     packing = None
     if kind == "packs":

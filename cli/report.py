@@ -6,7 +6,16 @@ from pathlib import Path
 
 import typer
 from treepack.cli.common import Render, check_choice, console, handle_errors, nothing_read
-from treepack.cli.inputs import KEEP_PREFIX_HELP, TOKENIZER_HELP, chat_input, load_with_progress, size_option
+from treepack.cli.inputs import (
+    KEEP_PREFIX_HELP,
+    MAX_DPI,
+    TOKENIZER_HELP,
+    chat_input,
+    check_dpi,
+    load_with_progress,
+    report_skipped_records,
+    size_option,
+)
 
 from treepack.pack.strategies import OVERSIZE
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES
@@ -23,7 +32,7 @@ def report(
     oversize: str = typer.Option("skip", "--oversize", help="Sequences longer than the capacity: skip (count them) or error."),
     group_by: str = typer.Option("none", "--group-by", help="Sharing scope: none (whole input) or tree_id."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help=f"Model shape for the FLOP model: {', '.join(MODEL_SHAPES)}."),
-    dpi: int = typer.Option(REPORT_DPI, "--dpi", help=f"Resolution of the embedded figures (plot's default: {DEFAULT_DPI})."),
+    dpi: int = typer.Option(REPORT_DPI, "--dpi", help=f"Resolution of the embedded figures, 10 to {MAX_DPI} (plot's default: {DEFAULT_DPI})."),
     tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
     keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help=KEEP_PREFIX_HELP),
@@ -43,8 +52,7 @@ def report(
     check_choice(oversize, OVERSIZE, "--oversize")
     if model not in MODEL_SHAPES:
         raise typer.BadParameter(f"unknown model {model!r}; known: {', '.join(MODEL_SHAPES)}", param_hint="--model")
-    if dpi < 10:
-        raise typer.BadParameter("must be at least 10", param_hint="--dpi")
+    check_dpi(dpi)
     cap = None if no_packing else size_option(capacity, "--capacity", "capacity")
     chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, turns=turns, reasoning=reasoning,
                       no_system=no_system, no_tools=no_tools, template_arg=template_arg)
@@ -52,6 +60,7 @@ def report(
                                   tokenizer=tokenizer, chat=chat)
     if len(rollouts) == 0:
         raise nothing_read(files, "sequences to report on", rollouts)
+    report_skipped_records(rollouts)
     output.parent.mkdir(parents=True, exist_ok=True)
     from treepack.viz.report import write_report
 

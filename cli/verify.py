@@ -10,20 +10,34 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import typer
 from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from treepack.cli.common import check_choice, console, err_console, handle_errors
-from treepack.cli.inputs import size_option
+from treepack.cli.inputs import report_skipped_files, size_option
 
-from treepack.errors import TreepackError
+from treepack.errors import InputError, TreepackError
 
 
-def render(report) -> None:
-    t = Table(title=f"treepack verify: {report.packs} packs, {report.sequences:,} sequences, {report.dtype}, "
-                    f"{report.loss_kind} loss", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'s' if n != 1 else ''}"
+
+
+def counted(n: int, total: int | None, word: str) -> str:
+    """``1 pack``, ``8 sequences``, or what was left out: ``1 of 29 packs``, ``8 of 256 sequences``."""
+    return plural(n, word) if total is None or total == n else f"{n:,} of {plural(total, word)}"
+
+
+def render(report, packs_total: int | None = None, sequences_total: int | None = None) -> None:
+    packs = counted(report.packs, packs_total, "pack")
+    if packs_total is not None and packs_total != report.packs:
+        packs += f" (--packs {report.packs})"
+    t = Table(title=f"treepack verify: {packs}, {counted(report.sequences, sequences_total, 'sequence')}, "
+                    f"{report.dtype}, {report.loss_kind} loss", title_justify="left", header_style="bold",
+              box=box.SIMPLE_HEAD)
     for name, justify in (("mode", "left"), ("loss", "right"), ("Δgrad max", "right"), ("Δgrad mean", "right"),
                           ("Δlogp max", "right")):
         t.add_column(name, justify=justify)
@@ -34,9 +48,8 @@ def render(report) -> None:
         row = [
             name,
             "error" if m.error else f"{m.loss:.9g}",
-            "baseline" if baseline else ("-" if m.error else f"{m.max_rel_grad_diff:.2e}"),
-            "baseline" if baseline else ("-" if m.error else f"{m.mean_rel_grad_diff:.2e}"),
-            "baseline" if baseline else ("-" if m.error else f"{m.max_logprob_diff:.2e}"),
+            *("baseline" if baseline else ("-" if v is None else f"{v:.2e}")
+              for v in (m.max_rel_grad_diff, m.mean_rel_grad_diff, m.max_logprob_diff)),
         ]
         if report.dtype != "float64":
             row.append("-" if m.ref_rel_grad_diff is None else f"{m.ref_rel_grad_diff:.2e}")
@@ -63,8 +76,8 @@ def render(report) -> None:
                   markup=False)
     for p in report.layout_problems:
         console.print(f"  {p}", markup=False)
-    worst = max((m for k, m in report.modes.items() if k != b), key=lambda m: m.max_rel_grad_diff,
-                default=None)
+    worst = max((m for k, m in report.modes.items() if k != b and m.max_rel_grad_diff is not None),
+                key=lambda m: m.max_rel_grad_diff, default=None)
     if report.ok:
         tol = (f"{report.tolerance:g} relative" if report.dtype == "float64"
                else f"2x the {b} run's error vs the reference")
@@ -110,6 +123,63 @@ class Reporter:
             self.stage(f"{total} runs done")
 
 
+def load(source: list[str], capacity: int, packs: int) -> tuple[list, int | None, int | None, list]:
+    """(the first ``packs`` packs (0: all), packs in all, sequences in all, files a directory held that were not
+    read). Rollout files are packed whole to count what is left out; a pack directory's manifest counts its own
+    (None when it does not). The files not read are named on stderr here, as stats and plot name them."""
+    from treepack.io.ingest import read_rollouts
+    from treepack.pack.shard_reader import read_manifest
+    from treepack.train.data import load_packs, pack_rollouts
+
+    paths = [Path(s) for s in source]
+    if len(paths) == 1 and paths[0].is_dir() and (paths[0] / "manifest.json").is_file():  # as load_packs sees it
+        pack_list = load_packs(source, capacity=capacity, max_packs=packs or None)
+        counts = read_manifest(paths[0]).get("counts", {})
+        return pack_list, counts.get("packs"), counts.get("packed_sequences"), []
+    for p in paths:
+        if str(p) != "-" and not p.exists():
+            raise InputError(f"{p}: no such file or directory")
+    r = read_rollouts([str(p) for p in paths])
+    report_skipped_files(r)
+    if len(r) == 0:
+        raise InputError(f"{', '.join(map(str, paths))}: no rollout records")
+    pack_list, n_packs, n_sequences = [], 0, 0
+    for pack in pack_rollouts(r, capacity):  # the packs after the first N are counted, not kept
+        if not packs or len(pack_list) < packs:
+            pack_list.append(pack)
+        n_packs += 1
+        n_sequences += pack.n_sequences
+    return pack_list, n_packs, n_sequences, r.skipped_files
+
+
+def check_kernel(attention: str, config: Path | None, cfg, device: str, dtype: str) -> None:
+    """Usage error (exit 2) before any work when the tree kernel named cannot run on this device in this dtype
+    for the model's head shape (`treepack train`'s check): flex, triton or fa4 on a CPU, fa4 in float64, ..."""
+    if attention not in ("flex", "triton", "fa4"):
+        return
+    import torch
+
+    from treepack.train.architecture import ModelArgs
+    from treepack.train.loop import check_attention
+    from treepack.train.verify import DTYPES, tiny_model_args
+
+    if config is None:
+        args = tiny_model_args(2)
+    elif cfg.model.checkpoint:
+        try:
+            hf = json.loads((Path(cfg.model.checkpoint) / "config.json").read_text())
+            args = ModelArgs.from_hf_config(hf)
+        except (OSError, ValueError, TreepackError):  # loading the checkpoint names what is wrong with it
+            return
+    else:
+        args = SimpleNamespace(num_heads=cfg.model.num_heads, head_dim=cfg.model.head_dim)
+    try:
+        check_attention(attention, SimpleNamespace(args=args), torch.device(device), DTYPES[dtype])
+    except TreepackError as exc:
+        reason = str(exc).removeprefix(f"train.attention = '{attention}': ")
+        raise typer.BadParameter(f"{attention!r} cannot run here: {reason}", param_hint="--attention") from None
+
+
 @handle_errors
 def verify(
     source: list[str] = typer.Argument(..., metavar="SHARDS_DIR", help="Packed shards directory, or rollout files (.jsonl, .jsonl.gz, .parquet) packed with --capacity."),
@@ -133,9 +203,14 @@ def verify(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
     """Loss, gradients and log-probs of every mode against the baseline on the same packs; exit 1 if they differ."""
+    from treepack.train.losses import NORMALIZATIONS
+    from treepack.train.modes import MODES
+
     if packs < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--packs")
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    for m in mode_list:
+        check_choice(m, MODES, "--modes")
     if not [m for m in mode_list if m != baseline]:  # the baseline alone compares nothing, yet would print OK
         raise typer.BadParameter(f"name at least one mode to compare with the baseline ({baseline}), got {modes!r}",
                                  param_hint="--modes")
@@ -148,7 +223,7 @@ def verify(
 
     from treepack.errors import ConfigError
     from treepack.train.config import load_config, parse_dfs_block
-    from treepack.train.data import compact_vocab, load_packs
+    from treepack.train.data import compact_vocab
     from treepack.train.model import Decoder
     from treepack.train.modes import make_mode
     from treepack.train.verify import BASELINES, DTYPES, verify_packs
@@ -157,6 +232,8 @@ def verify(
         block = parse_dfs_block(dfs_block_size, "--dfs-block-size")
     except ConfigError as exc:
         raise typer.BadParameter(str(exc).removeprefix("--dfs-block-size "), param_hint="--dfs-block-size") from None
+    if dfs_keep_tokens < 0:
+        raise typer.BadParameter(f"must be >= 0, got {dfs_keep_tokens}", param_hint="--dfs-keep-tokens")
     mode_options = {"dfs_block_size": block, "dfs_keep_tokens": dfs_keep_tokens, "dfs_subtree_calls": not dfs_walk,
                     "micro_batch_tokens": micro or None}
     for m in mode_list:
@@ -169,15 +246,17 @@ def verify(
         raise typer.BadParameter("CUDA is not available", param_hint="--device")
     if loss not in ("sft", "grpo"):
         raise typer.BadParameter("must be sft or grpo", param_hint="--loss")
+    check_choice(normalization, NORMALIZATIONS, "--normalization")
 
     cfg = load_config(config) if config is not None else None
+    check_kernel(attention, config, cfg, device, dtype)
     try:
-        pack_list = load_packs(source, capacity=cap, max_packs=packs or None)
+        pack_list, packs_total, sequences_total, skipped_files = load(source, cap, packs)
     except TreepackError as exc:  # e.g. a shard whose parent chains are broken: still a verdict for --json
         if as_json:
             print(json.dumps({"ok": False, "error": str(exc)}))
         raise
-    reporter.stage(f"{len(pack_list)} pack{'s' if len(pack_list) != 1 else ''} "
+    reporter.stage(f"{counted(len(pack_list), packs_total, 'pack')} "
                    f"({sum(int(p.n_real) for p in pack_list):,} tree tokens) from {', '.join(source)}")
     model = None
     if config is not None:
@@ -198,8 +277,9 @@ def verify(
     finally:
         reporter.stop()
     if as_json:
-        print(json.dumps(report.to_json()))
+        print(json.dumps({**report.to_json(), "packs_total": packs_total, "sequences_total": sequences_total,
+                          "skipped_files": [{"path": p, "reason": why} for p, why in skipped_files]}))
     else:
-        render(report)
+        render(report, packs_total, sequences_total)
     if not report.ok:
         raise typer.Exit(1)

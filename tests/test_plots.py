@@ -345,6 +345,35 @@ def test_cli_report(batch, tmp_path):
     assert res.code == 2 and "must end in .html" in res.err
 
 
+def test_cli_plot_and_report_report_skipped_records_as_stats_does(tmp_path, monkeypatch):
+    """``--on-error skip``: plot and report name the bad records they left out, in stats' very words."""
+    monkeypatch.chdir(tmp_path)
+    Path("bad.jsonl").write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": []}\n{"input_ids": [1, "a", 3]}\n'
+                                 '{"input_ids": [1, 2, 4]}\n')
+    skipped = ("skipped 2 bad record(s): 1 empty sequence, 1 non-integer token\n"
+               "  bad.jsonl: line 2: field 'input_ids' is empty\n"
+               "  bad.jsonl: line 3: field 'input_ids'[1] is not an integer: \"a\"\n")
+    stats = run("stats", "bad.jsonl", "--on-error", "skip")
+    assert (stats.code, stats.err) == (0, skipped)
+    res = run("plot", "bad.jsonl", "-o", "tree.png", "--on-error", "skip", "--dpi", DPI)
+    w, h = png_size(Path("tree.png").read_bytes())
+    assert (res.code, res.out, res.err) == (0, f"wrote tree.png ({w} x {h} px)\n", skipped)
+    res = run("plot", "bad.jsonl", "-o", "tree.png", "--on-error", "skip", "-q")  # counted even when quiet
+    assert (res.code, res.out, res.err) == (0, "", skipped)
+    res = run("report", "bad.jsonl", "-o", "report.html", "--on-error", "skip", "--no-packing", "--dpi", DPI)
+    assert (res.code, res.err) == (0, skipped) and res.out.startswith("wrote report.html (")
+
+
+@pytest.mark.parametrize("command, output", [("plot", "x.png"), ("report", "x.html")])
+def test_cli_dpi_is_bounded(batch, tmp_path, command, output):
+    """A resolution whose pixels would exhaust memory (std::bad_alloc at --dpi 100000) is a usage error."""
+    for dpi in (100000, 1201, 9):
+        res = run(command, batch, "-o", tmp_path / output, "--dpi", dpi)
+        assert (res.code, res.out) == (2, "")
+        assert res.err.splitlines()[-1] == f"Error: Invalid value for --dpi: must be between 10 and 1200, got {dpi}"
+    assert not (tmp_path / output).exists()
+
+
 def test_cli_stats_plot_dir(batch, tmp_path):
     res = run("stats", batch, "--json", "--capacity", "1k", "--plot", tmp_path / "figs", "--min-por", "0.99")
     assert res.code == 1  # the gate fails, and the figures are there anyway

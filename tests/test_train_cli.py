@@ -417,7 +417,8 @@ def test_verify_cli_errors(tmp_path):
     r = run("verify", data, "--capacity", "5")
     assert (r.code, r.err) == (1, f"Error: {data}: sequence id '0/0' (record 0) has 10 tokens, more than the capacity 5\n")
     r = run("verify", data, "--modes", "dense,flat")
-    assert (r.code, r.err) == (1, "Error: unknown mode 'flat' (modes: tree, dense, dense-leaf, dfs, auto)\n")
+    assert (r.code, r.out, r.err) == (2, "", VERIFY_USAGE + "Error: Invalid value for --modes: must be one of tree, "
+                                      "dense, dense-leaf, dfs, auto, got 'flat'\n")
     for option in ("--capacity", "--micro-batch-tokens"):  # usage errors, as in pack and stats: exit 2
         r = run("verify", data, option, "-5")
         assert r.code == 2 and f"Invalid value for {option}: invalid " in r.err and "'-5'" in r.err
@@ -426,6 +427,102 @@ def test_verify_cli_errors(tmp_path):
     assert "Invalid value for --attention: must be one of auto, reference, flex, triton, fa4, got 'fast'" in r.err
     r = run("verify", data, "--device", "gpu")
     assert r.code == 2 and "Invalid value for --device: must be one of cpu, cuda, got 'gpu'" in r.err
+
+
+VERIFY_USAGE = "Usage: treepack verify [OPTIONS] {SHARDS_DIR}...\nTry 'treepack verify --help' for help.\n\n"
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--modes", "bogus"], "--modes: must be one of tree, dense, dense-leaf, dfs, auto, got 'bogus'"),
+    (["--modes", "dense,dfs", "--dfs-keep-tokens", "-1"], "--dfs-keep-tokens: must be >= 0, got -1"),
+    (["--normalization", "bogus"], "--normalization: must be one of token, sequence, got 'bogus'"),
+    (["--attention", "flex"], ("--attention: 'flex' cannot run here: torch's FlexAttention has no backward on CPU; "
+                               "use 'reference' or 'auto' there")),
+    (["--attention", "triton"], ("--attention: 'triton' cannot run here: the triton backend needs CUDA tensors (or "
+                                 "TRITON_INTERPRET=1 on CPU), got cpu")),
+    (["--attention", "fa4"], "--attention: 'fa4' cannot run here: the fa4 backend needs CUDA tensors, got cpu"),
+])
+def test_verify_usage_errors_come_before_any_work(tmp_path, monkeypatch, args, error):
+    """Exit 2 and the one error, with no progress line before it: not a FAIL after the baseline ran."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    r = run("verify", write_rollouts(tmp_path / "r.jsonl"), "--capacity", "40", *args)
+    assert (r.code, r.out, r.err) == (2, "", f"{VERIFY_USAGE}Error: Invalid value for {error}\n")
+
+
+def test_verify_says_what_it_left_out(tmp_path):
+    data = write_rollouts(tmp_path / "r.jsonl")  # 2 packs at 40: trees 0 + 1 (8 sequences), tree 2 (4)
+    r = run("verify", data, "--capacity", "40")
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[0] == "treepack verify: 1 of 2 packs (--packs 1), 8 of 12 sequences, float64, sft loss"
+    assert re.fullmatch(r"verify: 1 of 2 packs \(35 tree tokens\) from .*r\.jsonl \(\d+\.\d s\)",
+                        r.err.splitlines()[0])
+    out = json.loads(run("verify", data, "--capacity", "40", "--json").out)
+    assert [out[k] for k in ("packs", "packs_total", "sequences", "sequences_total")] == [1, 2, 8, 12]
+    r = run("verify", data, "--capacity", "40", "--packs", "0", "-q")
+    assert r.out.splitlines()[0] == "treepack verify: 2 packs, 12 sequences, float64, sft loss"
+    r = run("verify", data, "--capacity", "64", "-q")  # one pack holds all: nothing left out
+    assert r.out.splitlines()[0] == "treepack verify: 1 pack, 12 sequences, float64, sft loss"
+    assert run("pack", data, "-c", "40", "-o", tmp_path / "packs").code == 0  # a pack directory: its manifest counts
+    counts = json.loads((tmp_path / "packs" / "manifest.json").read_text())["counts"]
+    out = json.loads(run("verify", tmp_path / "packs", "--json").out)
+    assert (out["packs"], out["packs_total"], out["sequences_total"]) == (1, counts["packs"], 12)
+
+
+def test_verify_names_the_files_a_directory_held_and_did_not_read(tmp_path):
+    from treepack.io.ingest import SUPPORTED
+
+    d = tmp_path / "data"
+    d.mkdir()
+    write_rollouts(d / "r.jsonl")
+    (d / "notes.txt").write_text("hello")
+    why = f"not a rollout file (.txt; reading {', '.join(SUPPORTED)})"
+    r = run("verify", d, "--capacity", "40", "-q")
+    assert r.code == 0 and r.err == f"skipped 1 file not read as rollouts:\n  {d / 'notes.txt'}: {why}\n"
+    r = run("verify", d, "--capacity", "40", "--json")
+    assert r.err == f"skipped 1 file not read as rollouts:\n  {d / 'notes.txt'}: {why}\n"
+    assert json.loads(r.out)["skipped_files"] == [{"path": str(d / "notes.txt"), "reason": why}]
+
+
+def test_verify_json_reports_null_for_a_mode_that_could_not_run(tmp_path, monkeypatch):
+    """A mode that fails (here: fa4 on a CPU, past the usage check) has no loss and no difference: null, not 0.0."""
+    import treepack.cli.verify as verify_cli
+
+    monkeypatch.setattr(verify_cli, "check_kernel", lambda *args: None)
+    data = write_rollouts(tmp_path / "r.jsonl")
+    r = run("verify", data, "--capacity", "40", "--attention", "fa4", "--json")
+    assert r.code == 1
+    out = json.loads(r.out)
+    assert out["failures"] == ["tree: could not run (pack 0: impl='fa4': the fa4 backend needs CUDA tensors, got cpu)"]
+    tree = out["modes"]["tree"]
+    assert [tree[k] for k in ("loss", "max_rel_grad_diff", "mean_rel_grad_diff", "max_logprob_diff")] == [None] * 4
+    assert out["losses"]["tree"] is None and out["losses"]["dense"] > 0
+    assert out["max_rel_grad_diff"] is None and out["mean_rel_grad_diff"] is None and out["max_logprob_diff"] is None
+    r = run("verify", data, "--capacity", "40", "--attention", "fa4", "-q")
+    assert r.code == 1 and re.search(r"^  tree +error +- +- +- +$", r.out, re.MULTILINE), r.out
+    assert r.out.splitlines()[-1] == ("FAIL: tree: could not run (pack 0: impl='fa4': the fa4 backend needs CUDA "
+                                      "tensors, got cpu)")
+
+
+def test_verify_fails_when_its_reference_run_could_not_run(tmp_path, monkeypatch):
+    """Low precision: a reference run that failed measured no error; every mode's must not pass as 0."""
+    import treepack.train.verify as verify_lib
+    from treepack.train.data import load_packs
+
+    real = verify_lib.make_mode
+
+    def make_mode(name, **options):
+        mode = real(name, **options)
+
+        def run_mode(model, *args):
+            if next(model.parameters()).dtype == torch.float64:  # --dtype float32: only the reference
+                raise RuntimeError("boom")
+            return mode(model, *args)
+        return run_mode
+
+    monkeypatch.setattr(verify_lib, "make_mode", make_mode)
+    report = verify_lib.verify_packs(load_packs(write_rollouts(tmp_path / "r.jsonl"), capacity=40), dtype="float32")
+    assert (report.ok, report.failures) == (False, ["reference (dense in float64): could not run (pack 0: boom)"])
+    assert [m.ref_rel_grad_diff for m in report.modes.values()] == [None, None]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")

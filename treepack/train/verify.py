@@ -157,10 +157,12 @@ def check_pack(pack: Pack, name: str = "pack") -> tuple[list[str], int]:
 @dataclass
 class ModeReport:
     mode: str
-    loss: float = 0.0  # batch loss (sum of the packs' shares)
-    max_rel_grad_diff: float = 0.0  # vs dense: max over packs and parameters of max|d| / max|g_dense|
-    mean_rel_grad_diff: float = 0.0  # vs dense: mean over packs and parameters of mean|d| / max|g_dense|
-    max_logprob_diff: float = 0.0  # vs dense: max |logp_mode - logp_dense| over rows
+    # None in the four below (null in JSON): not measured, as the mode (or the baseline, for the last three)
+    # could not run on every pack
+    loss: float | None = 0.0  # batch loss (sum of the packs' shares)
+    max_rel_grad_diff: float | None = 0.0  # vs dense: max over packs and parameters of max|d| / max|g_dense|
+    mean_rel_grad_diff: float | None = 0.0  # vs dense: mean over packs and parameters of mean|d| / max|g_dense|
+    max_logprob_diff: float | None = 0.0  # vs dense: max |logp_mode - logp_dense| over rows
     worst_param: str = ""  # parameter (and pack) of the max relative difference
     ref_rel_grad_diff: float | None = None  # low precision: max rel grad error vs the reference run
     forward_tokens: int = 0  # tokens through the model over all packs
@@ -191,17 +193,23 @@ class VerifyReport:
     failures: list[str] = field(default_factory=list)
     baseline: str = "dense"  # the mode every other is compared with
 
-    @property
-    def max_rel_grad_diff(self) -> float:
-        return max((m.max_rel_grad_diff for k, m in self.modes.items() if k != self.baseline), default=0.0)
+    def _worst(self, attr: str) -> float | None:
+        """The largest ``attr`` of the modes compared with the baseline; None when any of them was not measured
+        (a mode that could not run is no 0.0)."""
+        values = [getattr(m, attr) for k, m in self.modes.items() if k != self.baseline]
+        return None if None in values else max(values, default=0.0)
 
     @property
-    def mean_rel_grad_diff(self) -> float:
-        return max((m.mean_rel_grad_diff for k, m in self.modes.items() if k != self.baseline), default=0.0)
+    def max_rel_grad_diff(self) -> float | None:
+        return self._worst("max_rel_grad_diff")
 
     @property
-    def max_logprob_diff(self) -> float:
-        return max((m.max_logprob_diff for k, m in self.modes.items() if k != self.baseline), default=0.0)
+    def mean_rel_grad_diff(self) -> float | None:
+        return self._worst("mean_rel_grad_diff")
+
+    @property
+    def max_logprob_diff(self) -> float | None:
+        return self._worst("max_logprob_diff")
 
     def to_json(self) -> dict:
         return {
@@ -357,6 +365,7 @@ def verify_packs(
     rel_sums = {m: 0.0 for m in modes}
     rel_counts = {m: 0 for m in modes}
     loss_magnitude = 0.0  # the baseline's sum_r w_r |loss_r| (`_loss_magnitude`)
+    ref_error = None  # the reference run's first error
 
     instances = {name: make_mode(baseline if name == "reference" else name,
                                  attention=None if name in (baseline, "reference") else attention,
@@ -377,6 +386,8 @@ def verify_packs(
             except (TreepackError, ValueError, RuntimeError, IndexError) as exc:
                 if name in reports and reports[name].error is None:
                     reports[name].error = f"pack {i}: {exc}"
+                elif name == "reference" and ref_error is None:
+                    ref_error = f"pack {i}: {exc}"
                 results[name] = None
             else:
                 results[name] = (out.loss.item(), out.logp_R.double(), _grads(m))
@@ -417,11 +428,16 @@ def verify_packs(
                     gr = ref[2][pname].double()
                     err = float((g.double() - gr).abs().max())
                     ref_err[name] = max(ref_err[name], err / max(float(gr.abs().max()), floor))
-    for name in modes:
+    base_error = reports[baseline].error
+    for name, rep in reports.items():
         if rel_counts[name]:
-            reports[name].mean_rel_grad_diff = rel_sums[name] / rel_counts[name]
+            rep.mean_rel_grad_diff = rel_sums[name] / rel_counts[name]
         if ref_dtype is not None:
-            reports[name].ref_rel_grad_diff = ref_err[name]
+            rep.ref_rel_grad_diff = None if rep.error or ref_error else ref_err[name]
+        if rep.error:  # a partial sum or a comparison of some packs is no measurement: None (null), never 0.0
+            rep.loss = None
+        if rep.error or (base_error and name != baseline):
+            rep.max_rel_grad_diff = rep.mean_rel_grad_diff = rep.max_logprob_diff = None
 
     failures = []
     if n_problems:
@@ -430,11 +446,14 @@ def verify_packs(
     for name, rep in reports.items():
         if rep.error:
             failures.append(f"{name}: could not run ({rep.error})")
+    if ref_error:
+        failures.append(f"reference ({baseline} in {str(ref_dtype).removeprefix('torch.')}): could not run "
+                        f"({ref_error})")
     if torch_dtype == torch.float64:
         tolerance = TOLERANCE_FLOAT64
         dense_loss = reports[baseline].loss
         for name, rep in reports.items():
-            if name == baseline or rep.error:
+            if name == baseline or rep.error or base_error:
                 continue
             if rep.max_rel_grad_diff > tolerance:
                 failures.append(f"{name}: gradients differ from {baseline} by {rep.max_rel_grad_diff:.3g} relative "
@@ -446,7 +465,7 @@ def verify_packs(
         tolerance = 2.0
         bound = 2.0 * ref_err[baseline] + LOW_PRECISION_BAND
         for name, rep in reports.items():
-            if name != baseline and not rep.error and ref_err[name] > bound:
+            if name != baseline and not (rep.error or base_error or ref_error) and ref_err[name] > bound:
                 failures.append(f"{name}: gradient error vs the {str(ref_dtype).removeprefix('torch.')} reference "
                                 f"{ref_err[name]:.3g} exceeds 2x {baseline}'s {ref_err[baseline]:.3g}")
     if progress is not None:
