@@ -61,6 +61,11 @@ def plot(
     check_choice(oversize, OVERSIZE, "--oversize")
     if kind == "packs" and capacity is None:
         raise typer.BadParameter("--kind packs needs --capacity", param_hint="--capacity")
+    for flag, value, default, only in (("--capacity", capacity, None, "packs"), ("--strategy", strategy, "best", "packs"),
+                                       ("--oversize", oversize, "error", "packs"), ("--group", group, None, "tree"),
+                                       ("--max-nodes", max_nodes, MAX_TREE_NODES, "tree")):
+        if value != default and kind != only:  # an option of another figure would be ignored without a word
+            raise typer.BadParameter(f"applies to --kind {only} only, not {kind}", param_hint=flag)
     if max_nodes < 2:
         raise typer.BadParameter("must be at least 2", param_hint="--max-nodes")
     check_dpi(dpi)

@@ -381,3 +381,18 @@ def test_cli_stats_plot_dir(batch, tmp_path):
     assert res.err.startswith(f"wrote 4 figures to {tmp_path / 'figs'}: tree.png, active.png, packs.png, hist.png\n")
     for name in ("tree.png", "active.png", "hist.png", "packs.png"):
         png_size((tmp_path / "figs" / name).read_bytes())
+
+
+@pytest.mark.parametrize("args,flag,message", [
+    (["--capacity", "64"], "--capacity", "applies to --kind packs only, not tree"),
+    (["--strategy", "dfs"], "--strategy", "applies to --kind packs only, not tree"),
+    (["--kind", "active", "--group", "x"], "--group", "applies to --kind tree only, not active"),
+    (["--kind", "hist", "--max-nodes", "9"], "--max-nodes", "applies to --kind tree only, not hist"),
+])
+def test_an_option_of_another_figure_is_a_usage_error(tmp_path, args, flag, message):
+    """Options that only one figure reads were ignored without a word by the others."""
+    src = tmp_path / "r.jsonl"
+    src.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2, 4]}\n')
+    r = run("plot", src, "-o", tmp_path / "x.png", *args)
+    assert r.code == 2 and flag in r.err and message in r.err
+    assert not (tmp_path / "x.png").exists()
