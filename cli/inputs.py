@@ -82,15 +82,21 @@ def report_skipped_files(r: Rollouts) -> None:
         err_console.print(f"  ... and {n - MAX_LISTED_FILES} more (--json lists them all)", markup=False)
 
 
-def chat_input(tokenizer, keep_prefix_tokens: bool, tokens_field: str | None, **rendering):
+def chat_input(tokenizer, keep_prefix_tokens: bool, tokens_field: str | None, ctx: typer.Context | None = None,
+               **rendering):
     """ChatOptions for ``--tokenizer``, ``--keep-prefix-tokens`` and tokenize's rendering options (``rendering``:
     the values of `CHAT_OPTIONS` by parameter name). None: the input is token records, and any of those options
-    set (to other than its default) is a usage error naming it."""
+    given (on the command line, even at its default value, when the command's ``ctx`` is passed; else set to
+    other than its default) is a usage error naming it."""
     if tokenizer is None:
-        if keep_prefix_tokens:
+        def given(name: str, value, default) -> bool:
+            source = ctx.get_parameter_source(name) if ctx is not None else None
+            return source.name != "DEFAULT" if source is not None else value != default
+
+        if given("keep_prefix_tokens", keep_prefix_tokens, False):
             raise typer.BadParameter("needs --tokenizer", param_hint="--keep-prefix-tokens")
         for name, option in CHAT_OPTIONS.items():
-            if rendering.get(name, option.default) != option.default:  # as --keep-prefix-tokens: set, not default
+            if given(name, rendering.get(name, option.default), option.default):
                 raise typer.BadParameter("needs --tokenizer", param_hint=option.param_decls[0])
         return None
     if tokens_field is not None:

@@ -38,6 +38,7 @@ def _status(message: str, hidden: bool):
 
 @handle_errors
 def pack(
+    ctx: typer.Context,
     files: list[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
     capacity: str = typer.Option(..., "--capacity", "-c", help="Max tokens per pack: 60k (=60,000), 64K (=65,536), 1M or an integer."),
     output: str = typer.Option(..., "--output", "-o", help="Output directory for the shards and manifest.json."),
@@ -81,7 +82,7 @@ def pack(
     pack_cap = cap if pad_to is None else cap // pad_to * pad_to
     if pack_cap <= 0:
         raise typer.BadParameter(f"--pad-to {pad_to} is larger than the capacity {cap:,}", param_hint="--pad-to")
-    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, turns=turns, reasoning=reasoning,
+    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, ctx, turns=turns, reasoning=reasoning,
                       no_system=no_system, no_tools=no_tools, template_arg=template_arg)
     out = Path(output)
     check_output_dir(out)  # before the work, not after it

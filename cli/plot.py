@@ -31,6 +31,7 @@ def check_output(path: Path, param: str = "--output") -> None:
 
 @handle_errors
 def plot(
+    ctx: typer.Context,
     files: list[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
     output: Path = typer.Option(..., "--output", "-o", help="Figure file: .png, .svg or .pdf."),
     kind: str = typer.Option("tree", "--kind", "-k", help=f"Figure: {', '.join(KINDS)}."),
@@ -71,7 +72,7 @@ def plot(
     check_dpi(dpi)
     cap = size_option(capacity, "--capacity", "capacity") if capacity is not None else None
 
-    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, turns=turns, reasoning=reasoning,
+    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, ctx, turns=turns, reasoning=reasoning,
                       no_system=no_system, no_tools=no_tools, template_arg=template_arg)
     rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,
                                   tokenizer=tokenizer, chat=chat)

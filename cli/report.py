@@ -25,6 +25,7 @@ from treepack.viz.options import REPORT_CAPACITY as DEFAULT_CAPACITY
 
 @handle_errors
 def report(
+    ctx: typer.Context,
     files: list[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
     output: Path = typer.Option(..., "--output", "-o", help="HTML file to write."),
     capacity: str = typer.Option(str(DEFAULT_CAPACITY), "--capacity", help="Pack capacity for the strategy comparison (32K)."),
@@ -54,7 +55,7 @@ def report(
         raise typer.BadParameter(f"unknown model {model!r}; known: {', '.join(MODEL_SHAPES)}", param_hint="--model")
     check_dpi(dpi)
     cap = None if no_packing else size_option(capacity, "--capacity", "capacity")
-    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, turns=turns, reasoning=reasoning,
+    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, ctx, turns=turns, reasoning=reasoning,
                       no_system=no_system, no_tools=no_tools, template_arg=template_arg)
     rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,
                                   tokenizer=tokenizer, chat=chat)

@@ -83,6 +83,7 @@ def render_strategies(strategies: dict, st: TreeStats) -> None:
 
 @handle_errors
 def stats(
+    ctx: typer.Context,
     files: list[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
     tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP + " Adds the drift report."),
@@ -128,7 +129,7 @@ def stats(
         if value is not None and cap is None:
             raise typer.BadParameter("needs --capacity", param_hint=flag)
     # stats (and its packing and figures) read tokens and loss masks: log-probs are validated, not kept
-    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, turns=turns, reasoning=reasoning,
+    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, ctx, turns=turns, reasoning=reasoning,
                       no_system=no_system, no_tools=no_tools, template_arg=template_arg)
     drift = None
     if chat is None:

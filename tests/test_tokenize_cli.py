@@ -404,8 +404,9 @@ def test_report_takes_the_rendering_options(tmp_path):
 
 
 @pytest.mark.parametrize("option", [("--turns", "last"), ("--reasoning", "drop"), ("--no-system",), ("--no-tools",),
-                                    ("--template-arg", "enable_thinking=false"), ("--keep-prefix-tokens",)],
-                         ids=lambda o: o[0])
+                                    ("--template-arg", "enable_thinking=false"), ("--keep-prefix-tokens",),
+                                    ("--turns", "all"), ("--reasoning", "template")],  # defaults, given: refused too
+                         ids=lambda o: " ".join(o))
 def test_a_rendering_option_without_tokenizer_is_a_usage_error_naming_it(tmp_path, option):
     src = jsonl(tmp_path / "r.jsonl", [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
     for command, args in (("stats", ()), ("pack", ("-c", "4K", "-o", tmp_path / "packs")),
