@@ -91,7 +91,8 @@ def synth(
         where = "stdout" if output == "-" else output
         rate = res.tokens / max(res.seconds, 1e-9)
         sys.stderr.write(
-            f"synth {kind.value}: {res.trees:,} trees, {res.records:,} records, {res.tokens:,} tokens "
+            f"synth {kind.value}: {_count(res.trees, 'tree')}, {_count(res.records, 'record')}, "
+            f"{_count(res.tokens, 'token')} "
             f"-> {where} ({res.seconds:.1f} s, {_si(rate)} tokens/s)\n"
         )
     if res.samples < res.samples_asked:  # said even with --quiet: these samples are not in the file
@@ -100,6 +101,10 @@ def synth(
             f"not fit max_len = {cfg.max_len:,} tokens ({res.trees - res.trees_written:,} trees without any); "
             "their groups' advantages are over the samples written\n"
         )
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def _si(x: float) -> str:

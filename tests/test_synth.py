@@ -397,3 +397,8 @@ def test_samples_regenerate_byte_for_byte(tmp_path, name, argv):
     r = run(*argv, "-q")
     assert r.code == 0, r.err
     assert (tmp_path / name).read_bytes() == (SAMPLES_DIR / name).read_bytes()
+
+
+def test_cli_summary_counts_in_the_singular_too(tmp_path):
+    r = run("synth", "low-overlap", "-n", "1", "-g", "1", "-o", tmp_path / "one.jsonl")
+    assert r.code == 0 and r.err.startswith("synth low-overlap: 1 tree, 1 record, "), r.err

@@ -458,6 +458,7 @@ def test_verify_says_what_it_left_out(tmp_path):
                         r.err.splitlines()[0])
     out = json.loads(run("verify", data, "--capacity", "40", "--json").out)
     assert [out[k] for k in ("packs", "packs_total", "sequences", "sequences_total")] == [1, 2, 8, 12]
+    assert isinstance(out["vocab_size"], int) and out["vocab"].startswith(f"{out['vocab_size']:,} ")
     r = run("verify", data, "--capacity", "40", "--packs", "0", "-q")
     assert r.out.splitlines()[0] == "treepack verify: 2 packs, 12 sequences, float64, sft loss"
     r = run("verify", data, "--capacity", "64", "-q")  # one pack holds all: nothing left out

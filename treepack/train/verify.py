@@ -192,6 +192,7 @@ class VerifyReport:
     modes: dict[str, ModeReport] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     baseline: str = "dense"  # the mode every other is compared with
+    vocab_size: int = 0  # the model's vocabulary (rows of its embedding), as a number
 
     def _worst(self, attr: str) -> float | None:
         """The largest ``attr`` of the modes compared with the baseline; None when any of them was not measured
@@ -228,6 +229,7 @@ class VerifyReport:
             "flat_tokens": self.flat_tokens,
             "loss_tokens": self.loss_tokens,
             "vocab": self.vocab,
+            "vocab_size": self.vocab_size,
             "advantages": self.advantages,
             "layout_ok": self.layout_problem_count == 0,
             "layout_problems": self.layout_problems,
@@ -482,6 +484,7 @@ def verify_packs(
         flat_tokens=sum(int(np.asarray(p.seq_offsets)[-1]) for p in packs),
         loss_tokens=totals.loss_tokens,
         vocab=vocab_note,
+        vocab_size=int(base.args.vocab_size),
         advantages=adv_note,
         layout_problems=problems,
         layout_problem_count=n_problems,
