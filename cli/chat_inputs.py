@@ -64,11 +64,23 @@ def chat_options(*, turns: str = Render.turns.default, reasoning: str = Render.r
                        keep_prefix_tokens=keep_prefix_tokens, template_kwargs=template_args(template_arg or []))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+
+
 def rendering(tokenizer: str | os.PathLike, options: ChatOptions) -> dict:
-    """The tokenizer and rendering options that made a set of records, for ``--json`` outputs."""
-    return {"tokenizer": str(tokenizer), "turns": options.turns, "reasoning": options.reasoning,
-            "system": options.system, "tools": options.tools, "keep_prefix_tokens": options.keep_prefix_tokens,
-            "template_args": options.template_kwargs}
+    """The tokenizer and rendering options that made a set of records, for ``--json`` outputs and pack's manifest:
+    the directory, a sha256 over its vocabulary and chat template files (a re-run can check it renders with the
+    same ones), and the options."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = Path(tokenizer) / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    return {"tokenizer": str(tokenizer), "tokenizer_sha256": digest.hexdigest(), "turns": options.turns,
+            "reasoning": options.reasoning, "system": options.system, "tools": options.tools,
+            "keep_prefix_tokens": options.keep_prefix_tokens, "template_args": options.template_kwargs}
 
 
 def load_chats(files: list[str], tokenizer: str | os.PathLike, options: ChatOptions, *, on_error: str, quiet: bool,

@@ -113,7 +113,11 @@ def pack(
         k if x is True else f"{k} {_quote(str(x))}" for k, v in options.items() if v is not None and defaults.get(k) != v
         for x in (v if isinstance(v, list) else [v])])
     kwargs = {"pad_to": pad_to, "shard_size": shard_size, "balance": balance, "balance_cost": balance_cost,
-              "model": model, "group_by": group_by, "stats": st, "command": command}
+              "model": model, "group_by": group_by, "stats": st, "command": command, "rendering": None}
+    if chat is not None:  # the tokenizer (and a hash of its files) and options that made the records
+        from treepack.cli.chat_inputs import rendering
+
+        kwargs["rendering"] = rendering(tokenizer, chat)
     if quiet or p.n_packs < PROGRESS_MIN_PACKS:
         manifest = write_shards(rollouts, p, out, **kwargs)
     else:

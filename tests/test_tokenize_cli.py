@@ -19,6 +19,7 @@ from cli_helpers import run
 
 from treepack.io.chat_rollouts import tokenize_chats
 from treepack.io.ingest import read_rollouts
+from treepack.pack.shard_reader import read_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -442,12 +443,23 @@ def test_a_bad_template_arg_is_a_usage_error_naming_the_problem(value, message):
     assert info.value.message == message
 
 
-def test_json_outputs_say_which_tokenizer_and_options_made_the_records():
-    want = {"tokenizer": str(CHAT_TOKENIZER), "turns": "last", "reasoning": "drop", "system": False, "tools": True,
-            "keep_prefix_tokens": False, "template_args": {"enable_thinking": False}}
+def test_json_outputs_say_which_tokenizer_and_options_made_the_records(tmp_path):
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json"):
+        if (CHAT_TOKENIZER / name).is_file():
+            digest.update(name.encode() + b"\0" + (CHAT_TOKENIZER / name).read_bytes())
+    want = {"tokenizer": str(CHAT_TOKENIZER), "tokenizer_sha256": digest.hexdigest(), "turns": "last",
+            "reasoning": "drop", "system": False, "tools": True, "keep_prefix_tokens": False,
+            "template_args": {"enable_thinking": False}}
     opts = ("--tokenizer", CHAT_TOKENIZER, "--turns", "last", "--reasoning", "drop", "--no-system",
-            "--template-arg", "enable_thinking=false", "--json", "-q")
+            "--template-arg", "enable_thinking=false", "-q")
     for command in ("tokenize", "stats"):
-        r = run(command, CHAT_SAMPLE, *opts)
+        r = run(command, CHAT_SAMPLE, *opts, "--json")
         assert r.code == 0, r.err
         assert json.loads(r.out)["drift"]["rendering"] == want
+    assert run("pack", CHAT_SAMPLE, *opts, "-c", "64K", "-o", tmp_path / "p").code == 0
+    assert read_manifest(tmp_path / "p")["rendering"] == want
+    assert run("pack", CHAT_SAMPLE, "--tokenizer", CHAT_TOKENIZER, "-c", "64K", "-o", tmp_path / "q", "-q").code == 0
+    assert read_manifest(tmp_path / "q")["rendering"]["turns"] == "all"

@@ -276,6 +276,7 @@ def write_shards(
     stats: TreeStats | None = None,
     progress: Callable[[int], None] | None = None,
     command: str | None = None,
+    rendering: dict | None = None,
 ) -> dict:
     """Write ``packing`` of ``rollouts`` as Parquet shards + ``manifest.json`` into ``out_dir``; return the manifest.
 
@@ -341,6 +342,7 @@ def write_shards(
         "schema_version": SCHEMA_VERSION,
         "created_by": f"treepack {__version__}",
         "command": command,
+        "rendering": rendering,  # chat input: the tokenizer (path, sha256) and rendering options, else None
         "capacity": packing.capacity,
         "strategy": packing.strategy,
         "pad_to": pad_to,
