@@ -65,7 +65,12 @@ def report(
     output.parent.mkdir(parents=True, exist_ok=True)
     from treepack.viz.report import write_report
 
+    rendered = None
+    if chat is not None:
+        from treepack.cli.chat_inputs import rendering
+
+        rendered = rendering(tokenizer, chat)
     n_bytes = write_report(output, rollouts, files=files, group_by=group_by, capacity=cap, oversize=oversize,
-                           model=model, dpi=dpi)
+                           model=model, dpi=dpi, rendering=rendered)
     if not quiet:
         console.print(f"wrote {output} ({n_bytes / 1024:,.0f} kB)", markup=False)

@@ -401,7 +401,10 @@ def test_report_takes_the_rendering_options(tmp_path):
     opts = ("--turns", "last", "--no-system", "--template-arg", "enable_thinking=false", "-q")
     res = run("report", CHAT_SAMPLE, "--tokenizer", CHAT_TOKENIZER, "-o", tmp_path / "r.html", "--no-packing", *opts)
     assert res.code == 0, res.err
-    assert "50,060" in (tmp_path / "r.html").read_text()  # N_flat: the 8 last turns without the system prompt
+    text = (tmp_path / "r.html").read_text()
+    assert "50,060" in text  # N_flat: the 8 last turns without the system prompt
+    assert (f" · chat transcripts rendered by {CHAT_TOKENIZER} (sha256 " in text
+            and "): turns last, reasoning template, no system, enable_thinking=False</p>" in text)
 
 
 @pytest.mark.parametrize("option", [("--turns", "last"), ("--reasoning", "drop"), ("--no-system",), ("--no-tools",),

@@ -149,8 +149,10 @@ def build_report(
     oversize: str = "skip",
     model: str = DEFAULT_MODEL,
     dpi: int = REPORT_DPI,
+    rendering: dict | None = None,
 ) -> str:
-    """The HTML text of the report (``capacity=None`` leaves packing out)."""
+    """The HTML text of the report (``capacity=None`` leaves packing out; ``rendering``: the tokenizer and options
+    that made chat records, named under the title)."""
     if len(rollouts) == 0:
         raise TreepackError("no sequences to report on")
     tree = PrefixTree.build(rollouts, group_by=group_by)
@@ -185,7 +187,8 @@ def build_report(
         f"<title>treepack report: {esc(source or 'rollouts')}</title>",
         f"<style>{_CSS}</style></head><body>",
         f"<h1>treepack report: {esc(source or 'rollouts')}</h1>",
-        f'<p class="sub">treepack {esc(__version__)} · sharing scope: {esc(scope)} · FLOP model {esc(st.model)}</p>',
+        (f'<p class="sub">treepack {esc(__version__)} · sharing scope: {esc(scope)} · FLOP model {esc(st.model)}'
+         f'{_rendering_note(rendering)}</p>'),
         f'<div class="cards">{cards_html}</div>',
         "<h2>Active sequences by position</h2>",
         _figure_html(figure("active", rollouts, tree=tree, group_by=group_by, source=source), "active sequences",
@@ -236,6 +239,18 @@ def build_report(
         "</body></html>",
     ]
     return "\n".join(parts) + "\n"
+
+
+def _rendering_note(rendering: dict | None) -> str:
+    """`` · chat transcripts rendered by DIR (sha256 ...): turns all, reasoning template, ...`` (HTML-escaped)."""
+    if not rendering:
+        return ""
+    options = [f"turns {rendering['turns']}", f"reasoning {rendering['reasoning']}"]
+    options += [text for key, text in (("system", "no system"), ("tools", "no tools")) if not rendering[key]]
+    options += ["keep-prefix tokens"] if rendering["keep_prefix_tokens"] else []
+    options += [f"{k}={v!r}" for k, v in rendering["template_args"].items()]
+    return html.escape(f" · chat transcripts rendered by {rendering['tokenizer']} (sha256 "
+                       f"{rendering['tokenizer_sha256'][:16]}): {', '.join(options)}")
 
 
 def write_report(path, rollouts: Rollouts, **kwargs) -> int:
