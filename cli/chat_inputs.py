@@ -166,11 +166,3 @@ def render_drift(summary: dict, *, examples: bool = True) -> None:
         console.print(f"  turn t+1  {json.dumps(ev['next_turn'], ensure_ascii=False)}", markup=False)
 
 
-def report_skipped(r: Rollouts) -> None:
-    if r.n_skipped:
-        reasons = ", ".join(f"{v} {k}" for k, v in r.skipped.most_common())
-        err_console.print(f"skipped {r.n_skipped} bad record(s): {reasons}", markup=False)
-        for ex in r.skipped_examples:
-            err_console.print(f"  {ex}", markup=False)
-
-

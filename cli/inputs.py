@@ -124,10 +124,13 @@ def check_dpi(dpi: int) -> None:
 
 
 def report_skipped_records(r: Rollouts) -> None:
-    """The stderr lines of ``--on-error skip`` on the bad records left out (stats' and tokenize's wording)."""
-    from treepack.cli.chat_inputs import report_skipped
-
-    report_skipped(r)
+    """The stderr lines of ``--on-error skip`` on the bad records left out (stats' wording): the count by reason,
+    then the first few, verbatim."""
+    if r.n_skipped:
+        reasons = ", ".join(f"{v} {k}" for k, v in r.skipped.most_common())
+        err_console.print(f"skipped {r.n_skipped} bad record(s): {reasons}", markup=False)
+        for ex in r.skipped_examples:
+            err_console.print(f"  {ex}", markup=False)
 
 
 def report_oversize(r: Rollouts, p: Packing) -> None:

@@ -20,10 +20,10 @@ from treepack.cli.chat_inputs import (
     load_chats,
     render_drift,
     rendering,
-    report_skipped,
     share,
 )
 from treepack.cli.common import Render, check_choice, console, err_console, handle_errors, nothing_read
+from treepack.cli.inputs import report_skipped_records
 
 from treepack.errors import TreepackError
 from treepack.io.chat_rollouts import ChatOptions, ChatRecords, write_chat_records
@@ -89,7 +89,7 @@ def tokenize(
         _render_summary(recs, summary, output, n_bytes, speed, checked)
         if drift:
             render_drift(summary)
-    report_skipped(r)
+    report_skipped_records(r)
     if recs.prompt_not_prefix:
         err_console.print(f"{recs.prompt_not_prefix:,} turn(s): the generation prompt is not a prefix of the turn's "
                           "rendering; their loss starts where the two first differ", markup=False)

@@ -19,7 +19,7 @@ from rich.table import Table
 from treepack.cli.common import check_choice, console, err_console, handle_errors
 from treepack.cli.inputs import report_skipped_files, size_option
 
-from treepack.errors import InputError, TreepackError
+from treepack.errors import TreepackError
 
 
 def plural(n: int, word: str) -> str:
@@ -127,22 +127,16 @@ def load(source: list[str], capacity: int, packs: int) -> tuple[list, int | None
     """(the first ``packs`` packs (0: all), packs in all, sequences in all, files a directory held that were not
     read). Rollout files are packed whole to count what is left out; a pack directory's manifest counts its own
     (None when it does not). The files not read are named on stderr here, as stats and plot name them."""
-    from treepack.io.ingest import read_rollouts
     from treepack.pack.shard_reader import read_manifest
-    from treepack.train.data import load_packs, pack_rollouts
+    from treepack.train.data import load_packs, pack_rollouts, read_rollout_files
 
     paths = [Path(s) for s in source]
     if len(paths) == 1 and paths[0].is_dir() and (paths[0] / "manifest.json").is_file():  # as load_packs sees it
         pack_list = load_packs(source, capacity=capacity, max_packs=packs or None)
         counts = read_manifest(paths[0]).get("counts", {})
         return pack_list, counts.get("packs"), counts.get("packed_sequences"), []
-    for p in paths:
-        if str(p) != "-" and not p.exists():
-            raise InputError(f"{p}: no such file or directory")
-    r = read_rollouts([str(p) for p in paths])
+    r = read_rollout_files(paths)
     report_skipped_files(r)
-    if len(r) == 0:
-        raise InputError(f"{', '.join(map(str, paths))}: no rollout records")
     pack_list, n_packs, n_sequences = [], 0, 0
     for pack in pack_rollouts(r, capacity):  # the packs after the first N are counted, not kept
         if not packs or len(pack_list) < packs:

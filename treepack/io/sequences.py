@@ -106,13 +106,17 @@ def rollouts_from_sequences(sequences: Sequence, *, loss_masks=None, logprobs=No
     return r
 
 
+def _require_arrays(tokens, offsets, what: str) -> None:
+    if not isinstance(tokens, np.ndarray) or not isinstance(offsets, np.ndarray):
+        raise InputError(f"{what}: tokens and offsets must be numpy arrays (rollouts_from_sequences builds a batch "
+                         "from lists)")
+
+
 def check_token_buffer(tokens, offsets, ids: list | None = None, what: str = "Rollouts") -> None:
     """Refuse a flat token buffer the trie cannot take (one line naming the field): tokens not a 1-d integer
     numpy array of ids in [0, 2**31 - 1], offsets not running from 0 to the buffer's end, an empty sequence or
     offsets that go back. O(N), vectorised."""
-    if not isinstance(tokens, np.ndarray) or not isinstance(offsets, np.ndarray):
-        raise InputError(f"{what}: tokens and offsets must be numpy arrays (rollouts_from_sequences builds a batch "
-                         "from lists)")
+    _require_arrays(tokens, offsets, what)
     if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
         raise InputError(f"{what}: tokens must be a 1-d integer array, got {tokens.dtype} of shape "
                          f"{list(tokens.shape)}")
@@ -136,11 +140,10 @@ def check_rollouts(r: Rollouts, *, deep: bool = True) -> None:
     """Per-token / per-sequence fields of the right length, and (``deep``) `check_token_buffer` of the batch.
     Without ``deep`` it costs O(1), for callers that check a sub-batch's buffer themselves (`build_pack`, once
     per pack of a large batch)."""
-    if not isinstance(r.tokens, np.ndarray) or not isinstance(r.offsets, np.ndarray):
-        raise InputError("Rollouts: tokens and offsets must be numpy arrays (rollouts_from_sequences builds a batch "
-                         "from lists)")
     if deep:
         check_token_buffer(r.tokens, r.offsets, r.ids)
+    else:
+        _require_arrays(r.tokens, r.offsets, "Rollouts")
     n, N = len(r.offsets) - 1, len(r.tokens)
     if len(r.ids) != n:
         raise InputError(f"Rollouts.ids: {len(r.ids)} entries for {n} sequences")

@@ -105,11 +105,10 @@ def build_pack(
         raise TreepackError(f"a pack's sequences must be distinct indices in [0, {len(r)}), got {index.tolist()[:8]}")
     if pad_to is not None and (isinstance(pad_to, bool) or int(pad_to) <= 0):
         raise TreepackError(f"pad_to must be positive, got {pad_to!r}")
-    if int(r.offsets[0]) != 0 or int(r.offsets[-1]) != len(r.tokens):
-        check_token_buffer(r.tokens, r.offsets, r.ids)  # names what is wrong
     starts, ends = r.offsets[index], r.offsets[index + 1]
-    if bool((ends <= starts).any()) or int(ends.max()) > len(r.tokens):
-        check_token_buffer(r.tokens, r.offsets, r.ids)
+    if (int(r.offsets[0]) != 0 or int(r.offsets[-1]) != len(r.tokens) or bool((ends <= starts).any())
+            or int(ends.max()) > len(r.tokens)):
+        check_token_buffer(r.tokens, r.offsets, r.ids)  # a broken batch: the whole check names what is wrong
     sub = r.select(index)
     check_token_buffer(sub.tokens, sub.offsets, [r.ids[i] for i in index.tolist()])
     tree = PrefixTree.from_arrays(sub.tokens, sub.offsets, None if scope is None else np.asarray(scope)[index])

@@ -279,15 +279,21 @@ def load_packs(
             if max_packs is not None and len(packs) >= max_packs:
                 break
         return packs
+    if capacity is None:
+        raise ConfigError("packing rollout files needs a capacity (e.g. --capacity 16k)")
+    r = read_rollout_files(paths, progress=progress)
+    return [relayout(p, child_order) for p in pack_rollouts(r, capacity, max_packs=max_packs)]
+
+
+def read_rollout_files(paths: list[Path], *, progress: Callable[[int], None] | None = None) -> Rollouts:
+    """The records of rollout files (``-``: stdin), refusing a missing path or an input without records."""
     for p in paths:
         if str(p) != "-" and not p.exists():
             raise InputError(f"{p}: no such file or directory")
-    if capacity is None:
-        raise ConfigError("packing rollout files needs a capacity (e.g. --capacity 16k)")
     r = read_rollouts([str(p) for p in paths], progress=progress)
     if len(r) == 0:
         raise InputError(f"{', '.join(map(str, paths))}: no rollout records")
-    return [relayout(p, child_order) for p in pack_rollouts(r, capacity, max_packs=max_packs)]
+    return r
 
 
 def data_where(sources: str | Path | list) -> str:
