@@ -125,10 +125,18 @@ class Reporter:
 
 def load(source: list[str], capacity: int, packs: int) -> tuple[list, int | None, int | None, list]:
     """(the first ``packs`` packs (0: all), packs in all, sequences in all, files a directory held that were not
-    read). Rollout files are packed whole to count what is left out; a pack directory's manifest counts its own
-    (None when it does not). The files not read are named on stderr here, as stats and plot name them."""
+    read). Rollout files are packed as ``treepack pack`` packs them by default (`PACK_STRATEGY`, one forest over
+    the whole input, packs never crossing a ``step``), so the packs, their order and the counts are those of its
+    shards at the same capacity; only the packs verified are laid out. A pack directory's manifest counts its
+    own (None when it does not). The files not read are named on stderr here, as stats and plot name them."""
+    import numpy as np
+
+    from treepack.errors import CapacityError
+    from treepack.pack.layout import build_pack
     from treepack.pack.shard_reader import read_manifest
-    from treepack.train.data import load_packs, pack_rollouts, read_rollout_files
+    from treepack.pack.strategies import describe_sequence, pack_sequences
+    from treepack.train.data import load_packs, read_rollout_files
+    from treepack.tree import scope_codes
 
     paths = [Path(s) for s in source]
     if len(paths) == 1 and paths[0].is_dir() and (paths[0] / "manifest.json").is_file():  # as load_packs sees it
@@ -137,13 +145,19 @@ def load(source: list[str], capacity: int, packs: int) -> tuple[list, int | None
         return pack_list, counts.get("packs"), counts.get("packed_sequences"), []
     r = read_rollout_files(paths)
     report_skipped_files(r)
-    pack_list, n_packs, n_sequences = [], 0, 0
-    for pack in pack_rollouts(r, capacity):  # the packs after the first N are counted, not kept
-        if not packs or len(pack_list) < packs:
-            pack_list.append(pack)
-        n_packs += 1
-        n_sequences += pack.n_sequences
-    return pack_list, n_packs, n_sequences, r.skipped_files
+    lengths = r.lengths
+    too_long = np.flatnonzero(lengths > capacity)
+    if too_long.size:  # pack's message without its hint: verify has no --oversize
+        i = int(too_long[0])
+        raise CapacityError(f"{describe_sequence(r, i)} has {int(lengths[i])} tokens, more than the capacity {capacity}")
+    packing = pack_sequences(r, capacity, strategy=PACK_STRATEGY)
+    scope, _ = scope_codes(r)  # as write_shards lays out pack's packs: steps apart, tree_ids shared
+    kept = packing.packs[:packs] if packs else packing.packs  # the packs after the first N are counted, not built
+    return ([build_pack(r, index, scope=scope) for index in kept], packing.n_packs,
+            sum(len(index) for index in packing.packs), r.skipped_files)
+
+
+PACK_STRATEGY = "best"  # `treepack pack`'s default --strategy: verify checks the packs pack would write
 
 
 def check_kernel(attention: str, config: Path | None, cfg, device: str, dtype: str) -> None:
@@ -176,7 +190,7 @@ def check_kernel(attention: str, config: Path | None, cfg, device: str, dtype: s
 
 @handle_errors
 def verify(
-    source: list[str] = typer.Argument(..., metavar="SHARDS_DIR", help="Packed shards directory, or rollout files (.jsonl, .jsonl.gz, .parquet) packed with --capacity."),
+    source: list[str] = typer.Argument(..., metavar="SHARDS_DIR", help="Packed shards directory, or rollout files (.jsonl, .jsonl.gz, .parquet) packed at --capacity as treepack pack packs them."),
     config: Path | None = typer.Option(None, "--config", help="Training config whose [model] to use (default: a tiny random model on the CPU)."),
     modes: str = typer.Option("dense,tree", "--modes", help="Comma-separated modes (tree, dense, dense-leaf, dfs, auto); the baseline always runs."),
     baseline: str = typer.Option("dense", "--baseline", help="Mode the others are compared with: dense | dense-leaf (same check, fewer tokens)."),
@@ -184,15 +198,15 @@ def verify(
     loss: str = typer.Option("sft", "--loss", help="sft | grpo (advantages from the data, else synthetic)."),
     normalization: str = typer.Option("token", "--normalization", help="token | sequence."),
     packs: int = typer.Option(1, "--packs", help="Verify the first N packs (0 = all)."),
-    capacity: str = typer.Option("16k", "--capacity", help="Pack capacity when packing rollout files."),
+    capacity: str = typer.Option("16k", "--capacity", help="Pack capacity when packing rollout files (as treepack pack --capacity)."),
     attention: str = typer.Option("auto", "--attention", help="Tree kernel: auto | reference | flex | triton | fa4."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random model (and of synthetic advantages)."),
     micro_batch_tokens: str = typer.Option("0", "--micro-batch-tokens", help="dense modes: most tokens forwarded at once (0 = each pack's size)."),
     dfs_block_size: str = typer.Option("2048", "--dfs-block-size", help="dfs: most tokens forwarded with grad at once: tokens (8192, 8K), 0 = unlimited, or auto (as train.dfs_block_size)."),
-    dfs_keep_tokens: int = typer.Option(0, "--dfs-keep-tokens", help="dfs: shared segments kept with their graph instead of re-forwarded."),
+    dfs_keep_tokens: str = typer.Option("0", "--dfs-keep-tokens", help="dfs: shared segments kept with their graph instead of re-forwarded: tokens (4096, 4K), 0 = off (as train.dfs_keep_tokens)."),
     dfs_walk: bool = typer.Option(False, "--dfs-walk", help="dfs: walk leaf by leaf (AReaL-DTA) instead of one call per subtree that fits a block."),
-    compile_: bool = typer.Option(False, "--compile", help="Run the compiled (torch.compile) regions as training on CUDA does; slower to start."),
+    compile_: bool = typer.Option(False, "--compile", help="Run the compiled (torch.compile) regions as training on CUDA does (needs --device cuda and a dtype below float64); slower to start."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
@@ -216,7 +230,7 @@ def verify(
     import torch
 
     from treepack.errors import ConfigError
-    from treepack.train.config import load_config, parse_dfs_block
+    from treepack.train.config import load_config, parse_dfs_block, parse_dfs_keep
     from treepack.train.data import compact_vocab
     from treepack.train.model import Decoder
     from treepack.train.modes import make_mode
@@ -226,9 +240,11 @@ def verify(
         block = parse_dfs_block(dfs_block_size, "--dfs-block-size")
     except ConfigError as exc:
         raise typer.BadParameter(str(exc).removeprefix("--dfs-block-size "), param_hint="--dfs-block-size") from None
-    if dfs_keep_tokens < 0:
-        raise typer.BadParameter(f"must be >= 0, got {dfs_keep_tokens}", param_hint="--dfs-keep-tokens")
-    mode_options = {"dfs_block_size": block, "dfs_keep_tokens": dfs_keep_tokens, "dfs_subtree_calls": not dfs_walk,
+    try:
+        keep = parse_dfs_keep(dfs_keep_tokens, "--dfs-keep-tokens")
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("--dfs-keep-tokens "), param_hint="--dfs-keep-tokens") from None
+    mode_options = {"dfs_block_size": block, "dfs_keep_tokens": keep, "dfs_subtree_calls": not dfs_walk,
                     "micro_batch_tokens": micro or None}
     for m in mode_list:
         make_mode(m, **mode_options)  # unknown modes and bad options fail here, before any work
@@ -238,6 +254,14 @@ def verify(
     check_choice(device, ("cpu", "cuda"), "--device")
     if device == "cuda" and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available", param_hint="--device")
+    # --compile compiles what training compiles (train.compile = "auto": on CUDA, below float64); anywhere else
+    # it would change nothing, so it is refused here, as a tree kernel that cannot run is
+    if compile_ and device != "cuda":
+        where = "needs --device cuda" if torch.cuda.is_available() else "CUDA is not available"
+        raise typer.BadParameter(f"{where} (training compiles on CUDA only)", param_hint="--compile")
+    if compile_ and dtype == "float64":
+        raise typer.BadParameter("needs --dtype float32, bfloat16 or float16 (training compiles nothing in float64)",
+                                 param_hint="--compile")
     if loss not in ("sft", "grpo"):
         raise typer.BadParameter("must be sft or grpo", param_hint="--loss")
     check_choice(normalization, NORMALIZATIONS, "--normalization")

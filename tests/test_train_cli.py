@@ -405,7 +405,7 @@ def test_verify_cli_on_rollouts(tmp_path):
     out = json.loads(r.out)
     assert out["ok"] is True and out["layout_ok"] is True
     assert out["max_rel_grad_diff"] <= 1e-9 and set(out["losses"]) == {"dense", "tree"}
-    assert out["packs"] == 2 and out["sequences"] == 12  # trees 0 + 1 (18 + 17 tokens) fit 40, tree 2 alone
+    assert out["packs"] == 2 and out["sequences"] == 12  # trees 0 + 1 (32 tokens, sharing 1,2,3) fit 40, tree 2 alone
     r = run("verify", data, "--capacity", "40")
     assert r.code == 0 and "OK: every mode matches dense within 1e-09 relative" in r.out
 
@@ -454,7 +454,7 @@ def test_verify_says_what_it_left_out(tmp_path):
     r = run("verify", data, "--capacity", "40")
     assert r.code == 0, r.err
     assert r.out.splitlines()[0] == "treepack verify: 1 of 2 packs (--packs 1), 8 of 12 sequences, float64, sft loss"
-    assert re.fullmatch(r"verify: 1 of 2 packs \(35 tree tokens\) from .*r\.jsonl \(\d+\.\d s\)",
+    assert re.fullmatch(r"verify: 1 of 2 packs \(32 tree tokens\) from .*r\.jsonl \(\d+\.\d s\)",
                         r.err.splitlines()[0])
     out = json.loads(run("verify", data, "--capacity", "40", "--json").out)
     assert [out[k] for k in ("packs", "packs_total", "sequences", "sequences_total")] == [1, 2, 8, 12]

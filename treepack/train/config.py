@@ -174,7 +174,8 @@ class TrainConfig:
     # dfs: most tokens forwarded with grad in one call: auto (the largest the GPU's memory allows, printed at the
     # start; treepack.train.modes.dfs_memory) | a size such as 8192 or "8k" | 0 (unlimited: a pack in one call)
     dfs_block_size: str = "auto"
-    dfs_keep_tokens: int = 0  # dfs: shared segments kept with their graph instead of re-forwarded (tokens; 0 = off)
+    # dfs: shared segments kept with their graph instead of re-forwarded: tokens, 4096 or a size such as "4K" (0 = off)
+    dfs_keep_tokens: int = 0
     dfs_order: str = "backward"  # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout (the pack's)
     dfs_subtree_calls: bool = True  # dfs: pop subtrees that fit a block in one tree call (false: leaf by leaf)
     dfs_merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS  # dfs: an anchor up to this size rides in the call before it
@@ -200,7 +201,7 @@ class TrainConfig:
                 raise ConfigError(str(exc)) from None
         self.dfs_block  # noqa: B018 - validates train.dfs_block_size
         self.memory  # noqa: B018 - validates train.memory_limit
-        _positive("train.dfs_keep_tokens", self.dfs_keep_tokens, zero_ok=True)
+        self.dfs_keep_tokens = parse_dfs_keep(self.dfs_keep_tokens, "train.dfs_keep_tokens")
         _positive("train.dfs_merge_anchor_tokens", self.dfs_merge_anchor_tokens, zero_ok=True)
         _one_of("train.dfs_order", self.dfs_order, DFS_ORDERS)
         _positive("train.steps", self.steps)
@@ -301,9 +302,32 @@ def parse_dfs_block(value, what: str) -> int | str:
     return tokens
 
 
+def parse_dfs_keep(value, what: str) -> int:
+    """dfs keep tokens as written (``train.dfs_keep_tokens``, ``verify --dfs-keep-tokens``): an integer or a size
+    such as "4K" (`treepack.sizes`), 0 for off; negatives refused."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        tokens = value
+    else:
+        text = str(value).strip()
+        if text.lstrip("-").isdigit():
+            tokens = int(text)
+        else:
+            try:
+                tokens = parse_size(text, what=what)
+            except TreepackError:
+                if text[:1] == "0" and text.rstrip("kKMG").strip("0.") == "":  # "0k": zero is off
+                    return 0
+                raise ConfigError(f'{what} must be a number of tokens such as 4096 or "4K" (0: off), '
+                                  f"got {value!r}") from None
+    if tokens < 0:
+        raise ConfigError(f"{what} must be >= 0, got {tokens}")
+    return tokens
+
+
 # keys that take a token count as an integer or a string such as "64K"
 SIZE_KEYS = {"data.capacity": 'a size such as 65536 or "64K"', "train.micro_batch_tokens": 'a size such as 32768 or "32K"',
-             "train.dfs_block_size": 'a size such as 8192 or "8K", or "auto"'}
+             "train.dfs_block_size": 'a size such as 8192 or "8K", or "auto"',
+             "train.dfs_keep_tokens": 'a size such as 4096 or "4K"'}
 
 
 def _coerce(key: str, value, tp):
@@ -319,6 +343,7 @@ def _coerce(key: str, value, tp):
         ok = isinstance(value, bool)
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = ok or (key in SIZE_KEYS and isinstance(value, str))  # dfs_keep_tokens = "4K": parsed in __post_init__
     elif tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
@@ -493,7 +518,7 @@ activation_checkpointing = false
 compile = "auto"            # torch.compile norms/RoPE/SwiGLU/loss softmax: auto (on CUDA) | on | off
 activation_memory_budget = 1.0  # compiled layers keep this share of saved activations, recompute the rest (0, 1]
 dfs_block_size = "auto"     # dfs: most tokens forwarded with grad at once: auto (from the GPU's memory) | 8192 | 0 (unlimited)
-dfs_keep_tokens = 0         # dfs: shared segments kept with their graph instead of re-forwarded (0 = off)
+dfs_keep_tokens = 0         # dfs: shared segments kept with their graph instead of re-forwarded: 4096 | "4K" | 0 (off)
 dfs_order = "backward"      # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout
 dfs_subtree_calls = true    # dfs: a subtree that fits a block is one tree call (false: AReaL-DTA, leaf by leaf)
 dfs_merge_anchor_tokens = 512  # dfs: an anchor of up to this many tokens rides in the grad call before it (0 = off)
