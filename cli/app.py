@@ -4,11 +4,15 @@ Each entry of `COMMANDS` is (command name, module, function). The console script
 of the command it runs (``treepack stats`` never loads the packing writer, the synthesiser or the
 plotting code), and heavy dependencies (torch, matplotlib) are imported inside the command functions.
 ``app``, the application with every command, is built on first use (tests, ``treepack --help``).
+A SIGTERM (``kill``, a job scheduler's stop) ends the commands that write files (`CLEAN_ON_SIGTERM`) as Ctrl-C
+does, cleaning up on the way out (synth's temporary file goes), and quietly with exit code 143 (128 + 15,
+as a shell reports a process SIGTERM killed).
 """
 
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 import typer
@@ -24,6 +28,15 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("train", "treepack.cli.train", "train"),
     ("verify", "treepack.cli.verify", "verify"),
 ]
+
+
+CLEAN_ON_SIGTERM = {"synth", "pack", "unpack", "tokenize"}  # train keeps the default (its ranks, launchers)
+SIGTERM_EXIT = 128 + signal.SIGTERM  # 143
+
+
+def _on_sigterm(signum, frame) -> None:
+    """Unwind as Ctrl-C does (``with`` blocks and ``finally`` clauses run: temporary files are removed), exit 143."""
+    raise SystemExit(SIGTERM_EXIT)
 
 
 def _version(value: bool) -> None:
@@ -67,4 +80,7 @@ def __getattr__(name: str) -> typer.Typer:
 def main() -> None:
     names = {name for name, _, _ in COMMANDS}
     words = [a for a in sys.argv[1:] if not a.startswith("-")]
-    build_app(words[0] if words and words[0] in names else None)()
+    command = words[0] if words and words[0] in names else None
+    if command in CLEAN_ON_SIGTERM:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    build_app(command)()

@@ -2,16 +2,20 @@
 
 Library errors (``TreepackError``) and the system's (``OSError``: ``FILE: Permission denied``) become
 ``Error: <message>`` on stderr and exit 1; usage errors are typer's (exit 2). Commands never print
-tracebacks for bad input. `CHAT_OPTIONS` are tokenize's rendering options, defined here once for it and
-for every command that takes ``--tokenizer`` (kept out of ``chat_inputs``, which loads the chat reader).
+tracebacks for bad input. A reader that leaves early (``treepack synth ... -o - | head -c 100``) ends the
+command quietly with exit 0: no summary, no error, nothing from Python at exit (`whole_stdout_writes`).
+`CHAT_OPTIONS` are tokenize's rendering options, defined here once for it and for every command that takes
+``--tokenizer`` (kept out of ``chat_inputs``, which loads the chat reader).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import TypeVar
 
 import typer
@@ -26,8 +30,63 @@ class _Console(Console):
     """rich's Console, but a closed pipe (``treepack stats ... | head``) is no error: rich exits 1 itself."""
 
     def on_broken_pipe(self) -> None:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as rich does: no error at exit either
+        _to_devnull(sys.stdout.fileno())  # as rich does: no error at exit either
         raise BrokenPipeError  # handle_errors ends the command with exit 0
+
+
+def _to_devnull(fd: int) -> None:
+    """Point ``fd`` (stdout, whose reader has gone) at /dev/null: what is still buffered, and Python's flush at
+    exit, go nowhere instead of raising again ("Exception ignored ... BrokenPipeError")."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
+
+
+class _WholeWrites(io.RawIOBase):
+    """A file descriptor whose writes are whole: each returns once every byte is written, or raises
+    (``BrokenPipeError`` when the reader has gone). Python's buffered stdout returns a short count instead when
+    the reader leaves in the middle of a large write, which writers (and ``TextIOWrapper``) do not check: the
+    output was cut short and the command went on as if it had all been written."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(self._fd, view[done:])
+        return done
+
+
+@contextlib.contextmanager
+def whole_stdout_writes() -> Iterator[None]:
+    """Within the block, ``sys.stdout`` (and ``sys.stdout.buffer``) write whole or raise ``BrokenPipeError``, which
+    `handle_errors` turns into a quiet exit 0. For commands that write their output to stdout (``-o -``); a
+    stdout without a file descriptor (a test's capture) is left as it is."""
+    saved = sys.stdout
+    try:
+        fd = saved.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        yield
+        return
+    saved.flush()
+    sys.stdout = io.TextIOWrapper(_WholeWrites(fd), encoding=saved.encoding, errors=saved.errors)
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _to_devnull(fd)  # before the wrapper is dropped: its buffered rest then goes nowhere
+        raise
+    finally:
+        sys.stdout = saved
 
 
 console = _Console(highlight=False, soft_wrap=True)
@@ -51,7 +110,7 @@ def handle_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except TreepackError as exc:
             raise fail(str(exc)) from None
-        except BrokenPipeError:  # `treepack stats ... | head`
+        except BrokenPipeError:  # `treepack stats ... | head`, `treepack synth ... -o - | head -c 100`
             sys.stderr.close()
             raise typer.Exit(0) from None
         except OSError as exc:  # what the system refuses: an output under a file, no permission, a full disk

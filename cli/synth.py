@@ -12,7 +12,7 @@ from enum import Enum
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from treepack.cli.common import err_console, handle_errors
+from treepack.cli.common import err_console, handle_errors, whole_stdout_writes
 from treepack.datasets import synth as lib
 from treepack.datasets.writer import output_format
 
@@ -86,7 +86,8 @@ def synth(
     with Progress(TextColumn(f"synth {kind.value}"), BarColumn(), MofNCompleteColumn(), TextColumn("trees"),
                   TimeRemainingColumn(), console=err_console, transient=True, disable=not show_bar) as bar:
         task = bar.add_task("trees", total=n)
-        res = lib.write(cfg, n, output, seed=seed, progress=lambda done: bar.update(task, completed=done))
+        with whole_stdout_writes():  # -o - into `| head -c 100`: a quiet end, not a summary of a cut-short output
+            res = lib.write(cfg, n, output, seed=seed, progress=lambda done: bar.update(task, completed=done))
     if not quiet:
         where = "stdout" if output == "-" else output
         rate = res.tokens / max(res.seconds, 1e-9)

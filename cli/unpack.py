@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from treepack.cli.common import err_console, handle_errors
+from treepack.cli.common import err_console, handle_errors, whole_stdout_writes
 
 from treepack.io.records import write_rollouts
 from treepack.pack.shard_reader import pack_dir_of, read_inputs, read_manifest
@@ -27,7 +27,8 @@ def unpack(
         raise typer.BadParameter(f"{output!r}: write it outside the pack directory {packs} (a file there can "
                                  "replace one of its shards)", param_hint="--output")
     r = read_inputs(str(packs), keep_records=True)  # every packed record, and the count of those not packed
-    as_text = write_rollouts(r, output)
+    with whole_stdout_writes():  # -o - into `| head`: a quiet end, not a summary of a cut-short output
+        as_text = write_rollouts(r, output)
     if not quiet:
         where = "<stdout>" if output == "-" else output
         err_console.print(f"wrote {len(r):,} records ({r.n_tokens:,} tokens) to {where}", markup=False)

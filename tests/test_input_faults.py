@@ -1,12 +1,13 @@
 """Input faults as a new user meets them: broken gzip, JSON arrays, directories, pack directories, repeated
 ids. Each fault: the exact one-line message and exit code, and with ``--on-error skip`` what is kept and
-counted."""
+counted (a broken compressed file is not a bad record: an error with skip too)."""
 
 from __future__ import annotations
 
 import gzip
 import hashlib
 import json
+import re
 
 import pytest
 from cli_helpers import run
@@ -52,15 +53,21 @@ def test_truncated_gzip_is_one_line_not_aborted(tmp_path):
                      f"after {whole:,} complete lines)\n")
 
 
-def test_truncated_gzip_skip_keeps_the_records_before_it(tmp_path):
+@pytest.mark.parametrize("command", ["stats", "pack"])
+@pytest.mark.parametrize("extra", [(), ("--on-error", "skip")])
+def test_truncated_gzip_is_an_error_with_skip_too(tmp_path, command, extra):
+    """A cut-short file is not a bad record: the records after the break are lost, and how many is unknown, so
+    ``--on-error skip`` can not count them as skipped. One line naming the file and where it broke, exit 1, no
+    output (pack writes no directory)."""
     path, whole = truncated_gz(tmp_path)
-    r = run("stats", path, "--on-error", "skip", "--json")
-    assert r.code == 0
-    d = json.loads(r.out)
-    assert d["n_sequences"] == whole and d["skipped"] == {"truncated file": 1}
-    assert r.err.splitlines()[0] == "skipped 1 bad record(s): 1 truncated file"
-    roll = read_rollouts(path, on_error="skip")
-    assert roll.ids == [rec["id"] for rec in RECORDS[:whole]]
+    args = ("-c", "1K", "-o", tmp_path / "packs") if command == "pack" else ()
+    r = run(command, path, *args, *extra)
+    assert (r.code, r.out) == (1, "")
+    assert r.err == (f"Error: {path}: line {whole + 1}: truncated gzip file (the compressed stream ends early, "
+                     f"after {whole:,} complete lines)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    with pytest.raises(InputError, match=rf"^{path}: line {whole + 1}: truncated gzip file"):
+        read_rollouts(path, on_error="skip")
 
 
 def test_damaged_deflate_stream(tmp_path):
@@ -71,9 +78,13 @@ def test_damaged_deflate_stream(tmp_path):
     r = run("stats", path)
     assert r.code == 1 and r.err.count("\n") == 1 and r.err.startswith(f"Error: {path}: line ")
     assert "Traceback" not in r.err
+    r = run("stats", path, "--on-error", "skip")  # skips the garbage lines the damage decodes to, then stops
+    assert (r.code, r.out, r.err.count("\n")) == (1, "", 1)
+    assert re.fullmatch(rf"Error: {re.escape(str(path))}: line \d+: corrupt gzip data \(.+, after \d+ complete "
+                        r"lines\)\n", r.err)
 
 
-def test_bad_gzip_checksum_is_named_and_skip_keeps_the_records(tmp_path):
+def test_bad_gzip_checksum_is_named_with_skip_too(tmp_path):
     full = bytearray(gzip.compress(jsonl_bytes(RECORDS)))
     full[-8] ^= 0xFF  # the CRC-32 of the trailer: every line inflates, the check at the end fails
     path = tmp_path / "crc.jsonl.gz"
@@ -82,9 +93,7 @@ def test_bad_gzip_checksum_is_named_and_skip_keeps_the_records(tmp_path):
     n = len(RECORDS)
     assert (r.code, r.err) == (1, (f"Error: {path}: line {n + 1}: corrupt gzip data (incorrect data check, after "
                                   f"{n} complete lines)\n"))
-    r = run("stats", path, "--on-error", "skip", "--json")
-    d = json.loads(r.out)
-    assert r.code == 0 and d["n_sequences"] == n and d["skipped"] == {"corrupt gzip data": 1}
+    assert run("stats", path, "--on-error", "skip", "--json") == r  # not a bad record: skip can not skip it
 
 
 def test_concatenated_gzip_members_read_as_one(tmp_path):

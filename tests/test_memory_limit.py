@@ -33,6 +33,7 @@ ARGS = ModelArgs.for_family("qwen3", vocab_size=1000, hidden_size=64, intermedia
     ("50%", MemoryLimit(50, percent=True), 80 * 2**30, 40 * 2**30),
     ("12.5%", MemoryLimit(12.5, percent=True), 80_000_000_000, 10_000_000_000),
     ("100%", MemoryLimit(100, percent=True), 123, 123),
+    ("40gb", MemoryLimit(40e9), 80 * 2**30, 40_000_000_000),  # all lower-case: any case, as before
 ])
 def test_forms(text, limit, total, expected):
     parsed = parse_memory_limit(text)
@@ -57,6 +58,16 @@ def test_empty_is_no_limit(text):
                  '"50%" ("" for no limit), got \'\u0664\u0660GB\'')),  # digits in another script
     ("0%", "train.memory_limit must be a share in (0%, 100%], got '0%'"),
     ("150%", "train.memory_limit must be a share in (0%, 100%], got '150%'"),
+    # a capital prefix and a lower-case "b" is how bits are written (a 40Gb link): refused, with the bytes forms
+    ("40Gb", 'train.memory_limit must be in bytes, got \'40Gb\' (a lower-case "b" is a bit): write "40GB" or "40GiB"'),
+    ("512Mb", ('train.memory_limit must be in bytes, got \'512Mb\' (a lower-case "b" is a bit): write "512MB" or '
+               '"512MiB"')),
+    ("1.5Tb", ('train.memory_limit must be in bytes, got \'1.5Tb\' (a lower-case "b" is a bit): write "1.5TB" or '
+               '"1.5TiB"')),
+    ("40Gib", ('train.memory_limit must be in bytes, got \'40Gib\' (a lower-case "b" is a bit): write "40GB" or '
+               '"40GiB"')),
+    ("40kb", ('train.memory_limit must be a size such as "40GB" or "40GiB", or a share of the GPU such as "50%" '
+              '("" for no limit), got \'40kb\'')),
 ])
 def test_refusals(text, message):
     with pytest.raises(ConfigError) as info:

@@ -13,8 +13,10 @@ Two parsers, one contract:
 A ``.json`` file whose text starts with ``[`` is an array of records (``record N`` in messages). Records
 that are not objects, or lack a tokens field, are errors like any other; a JSON array of chat transcripts
 is for ``--tokenizer`` (`treepack.io.chat`), which reads it with ``iter_json_records``.
-Nothing is dropped silently: skipped records are counted per reason, and a compressed file that breaks off
-keeps the records before the break with ``--on-error skip`` (counted as one ``truncated file``).
+Nothing is dropped silently: skipped records are counted per reason. A compressed file that breaks off (cut
+short, damaged, a bad checksum) is an error naming the file and the line where it broke, with ``--on-error skip``
+too: what came after the break is unknown, so it can not be counted as a number of records skipped (a file that
+is not gzip at all is an error either way too).
 """
 
 
@@ -551,13 +553,8 @@ def read_json_file(path: str, name: str, tokens_field: str | None, on_error: str
     except StreamError as err:
         if err.fatal:  # nothing of the file could be read: no record to keep or count
             raise InputError(f"{name}: {err.message}") from None
-        message = f"{name}: line {lineno + 1}: {err.message[:-1]}, after {lineno:,} complete lines)"
-        if on_error != "skip":
-            raise InputError(message) from None
-        skipped[err.reason] += 1
-        reader.n_skipped += 1
-        if len(examples) < 5:
-            examples.append(message)
+        # not a bad record for --on-error skip: the records after the break are lost, and how many is unknown
+        raise InputError(f"{name}: line {lineno + 1}: {err.message[:-1]}, after {lineno:,} complete lines)") from None
     return reader.kept, reader.n_skipped
 
 

@@ -9,8 +9,8 @@ Design and trade-offs:
   machine it inflates ~550 MB/s, so the parser on the main thread never waits for it.
 - Damage is named, not crashed on: a file whose name ends in ``.gz`` but is not gzip, a damaged deflate
   stream (``zlib.error``) and a stream that ends early (truncated download, ``head -c``) each raise
-  ``StreamError`` with the decompressed line where reading stopped; the reader keeps what came before
-  when ``--on-error skip`` is on. Concatenated gzip members (``cat a.gz b.gz``) read as one stream.
+  ``StreamError`` with the decompressed line where reading stopped, an error even under ``--on-error skip``
+  (what came after the break is unknown). Concatenated gzip members (``cat a.gz b.gz``) read as one stream.
 - Progress counts the bytes read from disk (compressed bytes for gzip), so a bar whose total is the file
   size ends at 100%.
 """

@@ -11,7 +11,9 @@ after it, so a notebook's next run is not held to it)
   its block, runs in the memory it is given;
 - a limit that cannot hold the run's weights, gradients and optimizer state is refused before step 1.
 
-A limit is written as ``"40GB"`` / ``"40GiB"`` (also MB, MiB, TB, TiB) or ``"50%"`` of the GPU's total memory.
+A limit is written as ``"40GB"`` / ``"40GiB"`` (also MB, MiB, TB, TiB; in any case, ``"40gb"`` too) or ``"50%"``
+of the GPU's total memory. A capital prefix before a lower-case ``b`` (``"40Gb"``, ``"512Mb"``) is the usual
+way to write bits: it is refused with the byte forms to write instead.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ def parse_memory_limit(text: str, what: str = "train.memory_limit") -> MemoryLim
     if not m:
         raise ConfigError(f'{what} must be a size such as "40GB" or "40GiB", or a share of the GPU such as "50%" '
                           f'("" for no limit), got {text!r}')
+    if m.group(2).endswith("b") and not m.group(2).islower():  # "40Gb": gigabits in common usage
+        number, prefix = m.group(1), m.group(2)[0].upper()
+        raise ConfigError(f'{what} must be in bytes, got {text!r} (a lower-case "b" is a bit): write '
+                          f'"{number}{prefix}B" or "{number}{prefix}iB"')
     number, unit = float(m.group(1)), m.group(2).lower()
     if unit == "%":
         if not 0 < number <= 100:
