@@ -17,6 +17,7 @@ from treepack.cli.inputs import (
     chat_input,
     load_with_progress,
     report_oversize,
+    report_skipped_records,
     size_option,
 )
 
@@ -127,9 +128,7 @@ def pack(
             manifest = write_shards(rollouts, p, out, progress=lambda n: bar.advance(task, n), **kwargs)
     t_write = time.perf_counter() - t0 - t_read - t_pack
     report_oversize(rollouts, p)
-    if rollouts.n_skipped:
-        reasons = ", ".join(f"{v} {k}" for k, v in rollouts.skipped.most_common())
-        err_console.print(f"skipped {rollouts.n_skipped} bad record(s): {reasons}", markup=False)
+    report_skipped_records(rollouts)  # the count by reason, then the first few bad records (as stats)
     _summary(manifest, cap, out, (t_read, t_pack, t_write))
 
 

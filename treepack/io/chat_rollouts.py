@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from treepack.errors import ConfigError, InputError
+from treepack.io.atomic import atomic_file
 from treepack.io.chat_template import ChatTemplateError, ChatTokenizer
 from treepack.io.chats import (
     CHAT_SUFFIXES,
@@ -418,21 +420,20 @@ def iter_chat_records(recs: ChatRecords):
 
 
 def write_chat_records(path: str | os.PathLike, recs: ChatRecords) -> int:
-    """Write the records as JSONL (``.jsonl``, ``.jsonl.gz``) or Parquet; returns the bytes written."""
+    """Write the records as JSONL (``.jsonl``, ``.jsonl.gz``) or Parquet; returns the bytes written. The file
+    appears whole or not at all (`treepack.io.atomic`); missing directories above it are created."""
     path = str(path)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    if path.endswith((".parquet", ".pq")):
-        _write_parquet(path, recs)
-    elif path.endswith(".jsonl.gz"):
-        with gzip.open(path, "wt", encoding="utf-8", compresslevel=6) as f:
-            for rec in iter_chat_records(recs):
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    elif path.endswith(".jsonl"):
-        with open(path, "w", encoding="utf-8") as f:
-            for rec in iter_chat_records(recs):
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    else:
+    if not path.endswith((".parquet", ".pq", ".jsonl.gz", ".jsonl")):
         raise ConfigError(f"{path}: the output name must end in .jsonl, .jsonl.gz or .parquet")
+    with atomic_file(path, make_parents=True) as tmp:
+        if path.endswith((".parquet", ".pq")):
+            _write_parquet(str(tmp), recs)
+        else:
+            with open(tmp, "wb") as raw:
+                gz = gzip.GzipFile(Path(path).name, "wb", compresslevel=6, fileobj=raw) if path.endswith(".gz") else None
+                with io.TextIOWrapper(gz or raw, encoding="utf-8") as f:  # the gzip header names the output
+                    for rec in iter_chat_records(recs):
+                        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     return os.path.getsize(path)
 
 

@@ -1,7 +1,8 @@
 """Chat transcripts in the forms people have them, read into `Conversation`s with exact error locations.
 
 Files: JSONL (``.jsonl``, ``.jsonl.gz``, ``-``), JSON (one record, an array of records, or a tau2 results
-object; ``.json``, ``.json.gz``) and Parquet. Records:
+object; ``.json``, ``.json.gz``) and Parquet; gzip is recognised by its bytes, and a compressed file that is
+damaged or cut short is one error line naming it and the line where it broke (`treepack.io.streams`). Records:
 - ``messages`` (+ ``tools``): OpenAI / TRL conversational; every assistant message is a turn;
 - TRL ``prompt`` + ``completion`` (message lists, or strings: one user and one assistant message), and
   preference ``chosen`` / ``rejected`` with or without ``prompt`` (one conversation each, one tree per
@@ -21,10 +22,8 @@ Every other field is carried into the records. JSON files are walked element by 
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from treepack.io.chat_sources import (
     toolbench_paths,
 )
 from treepack.io.jsonl import json_error_text
+from treepack.io.streams import StreamError, iter_blocks
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CONTENT_FIELDS = ("messages", "tools", "prompt", "completion", "chosen", "rejected", "traj")
@@ -280,12 +280,21 @@ def _conv(messages, tools, cid, tree, carried, turns, where, part: str = "messag
 # Files
 
 
-def _open(path: str):
-    if path == "-":
-        return sys.stdin.buffer
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    return open(path, "rb")
+def _read_bytes(path: str) -> bytes:
+    """The whole file, decompressed if gzip (by its bytes, as the token-record reader has it). A compressed stream
+    that is damaged or cut short is an ``InputError`` naming the file and the line where it broke
+    (``chats.jsonl.gz: line 51: truncated gzip file (the compressed stream ends early, after 50 complete
+    lines)``), with ``--on-error skip`` too: what came after the break is unknown."""
+    name = "<stdin>" if path == "-" else path
+    blocks: list[bytes] = []
+    try:
+        blocks.extend(iter_blocks(path))  # the blocks before a break stay: their lines are counted
+    except StreamError as err:
+        if err.fatal:  # not gzip at all: nothing of the file was read
+            raise InputError(f"{name}: {err.message}") from None
+        n = sum(b.count(b"\n") for b in blocks)
+        raise InputError(f"{name}: line {n + 1}: {err.message[:-1]}, after {n:,} complete lines)") from None
+    return blocks[0] if len(blocks) == 1 else b"".join(blocks)
 
 
 def file_stem(path: str) -> str:
@@ -314,8 +323,7 @@ def iter_raw(path: str) -> Iterator[Raw]:
     if is_parquet(path):
         yield from _iter_parquet(path)
         return
-    with _open(path) as f:
-        data = f.read()
+    data = _read_bytes(path)
     size = len(data) if path == "-" else Path(path).stat().st_size
     try:
         text = data.decode("utf-8-sig")  # a byte order mark (Windows editors write one) is not JSON

@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 
 from treepack import __version__
 from treepack.errors import TreepackError
+from treepack.io.atomic import atomic_dir
 from treepack.io.extras import Extras
 from treepack.io.records import key_encoding
 from treepack.io.rollouts import Rollouts
@@ -284,14 +285,26 @@ def write_shards(
     ``balance`` = K assigns each pack a data-parallel rank (``treepack.pack.balance``). ``group_by`` must be the
     one the packing used. ``stats``: the input's `TreeStats` for the manifest (computed here when None, as the
     CLI's stats of the same input). ``progress`` is called with 1 after each pack.
+
+    The output appears whole or not at all (`treepack.io.atomic`): the files are written into a hidden directory
+    and renamed into place at the end (into an existing ``out_dir``: moved in, ``manifest.json`` last); any
+    failure or interruption removes them and leaves ``out_dir`` as it was.
     """
     out = Path(out_dir)
     check_output_dir(out)
     if pad_to is not None and pad_to <= 0:
         raise TreepackError(f"pad_to must be positive, got {pad_to}")
     limit = parse_shard_size(shard_size)
-    out.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(out, last=MANIFEST) as tmp:
+        return _write(rollouts, packing, tmp, limit, pad_to=pad_to, balance=balance, balance_cost=balance_cost,
+                      model=model, group_by=group_by, stats=stats, progress=progress, command=command,
+                      rendering=rendering)
 
+
+def _write(rollouts: Rollouts, packing: Packing, out: Path, limit: tuple[str, int], *, pad_to: int | None,
+           balance: int | None, balance_cost: str, model: str, group_by: str | None, stats: TreeStats | None,
+           progress: Callable[[int], None] | None, command: str | None, rendering: dict | None) -> dict:
+    """write_shards' files into the directory ``out``."""
     fields = {"loss_mask": rollouts.loss_mask is not None, "logprobs": rollouts.logprobs is not None,
               "tree_id": rollouts.groups is not None, "step": rollouts.steps is not None,
               "advantage": rollouts.advantages is not None, "reward": rollouts.rewards is not None}
