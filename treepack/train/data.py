@@ -1,19 +1,22 @@
-"""Where training and verification get their packs: packed shard directories, or rollouts packed here.
+"""Where training gets its packs: packed shard directories, or rollouts packed here (`treepack verify` packs
+rollout files as `treepack pack` does).
 
 Rollout files are packed on the fly with a simple policy that keeps whole trees in input order (the
-packing strategies of ``treepack pack`` optimise N_pack over the whole batch; this one only has to be
-correct, predictable and never repeat a prefix it need not):
-trees (``tree_id`` groups, split by ``step`` when present) are taken in input order; a tree that fits the
-capacity joins the current pack when it still fits (trees never share tokens, so their sizes add), else
-starts a new pack; a tree larger than the capacity is cut by `treepack pack`'s own packer (strategy
-``best``, `treepack.pack.strategies`), which repeats as few shared-prefix tokens as it can. Cutting it instead
-into contiguous runs of input order (the first policy) splits multi-turn chains between packs, so a record's
-earlier turns become a leaf of one pack and are forwarded again in the next: on 144 held-out tau-bench
-retail records as one forest at 32K, runs of input order gave 2 packs of 62,735 tokens and 2.86e8 attention
-pairs, ``best`` 2 packs of 54,505 tokens and 2.43e8 pairs (the leaves alone: 63,018 and 2.48e8), so the tree
-did 13% more attention work than dense-leaf before and 2% less now. Packs of a split tree come in the order
-of their first sequence, each pack's sequences in input order. Without ``tree_id`` the whole file is one
-forest.
+packing strategies of ``treepack pack`` optimise N_pack over the whole batch and may cut a GRPO group
+between packs, hence between steps, where `losses.group_advantages` normalises rewards within a step's
+packs; this one keeps every group whole, is predictable, and never repeats a prefix it need not):
+trees (``tree_id`` groups, split by ``step`` when present) are taken in input order; a tree joins the current
+pack when the pack's union trie still fits the capacity, else starts a new pack. Trees of one pack share
+their common prefixes (a system prompt, a task's opening turns), as in ``treepack pack``'s forest: the
+pack's size is the union's (`UnionSize`), not the sum of its trees'. Summing them (the first policy) kept
+the shared prompt once per tree: 144 held-out tau-bench retail records at 32K took 3 packs of 63,018 tokens
+(as many as the leaf sequences, so tree mode saved nothing over dense-leaf) instead of 2 of 54,508, and
+ToolBench 3 packs of 66,985 instead of 2 of 59,482. A tree larger than the capacity is cut by ``treepack
+pack``'s own packer (strategy ``best``, `treepack.pack.strategies`), which repeats as few shared-prefix
+tokens as it can. Cutting it instead into contiguous runs of input order (the first policy) split multi-turn
+chains between packs, so a record's earlier turns became a leaf of one pack and were forwarded again in the
+next. Packs of a split tree come in the order of their first sequence, each pack's sequences in input
+order. Without ``tree_id`` the whole file is one tree.
 
 A global batch is ``packs_per_step`` consecutive packs of an epoch order; the order of epoch e is a
 permutation seeded by (seed, e), so the batch of any step is a pure function of the config and the step
@@ -41,7 +44,7 @@ from treepack.io.ingest import read_rollouts
 from treepack.io.rollouts import Rollouts, _ranges
 from treepack.pack.layout import Pack, build_pack, relayout
 from treepack.pack.strategies import describe_sequence
-from treepack.tree import PrefixTree, scope_codes
+from treepack.tree import PrefixTree, RangeMin, scope_codes
 
 
 def _split_tree(r: Rollouts, index: np.ndarray, capacity: int) -> list[np.ndarray]:
@@ -55,7 +58,7 @@ def _split_tree(r: Rollouts, index: np.ndarray, capacity: int) -> list[np.ndarra
 
 
 def pack_rollouts(r: Rollouts, capacity: int, *, max_packs: int | None = None) -> Iterator[Pack]:
-    """Packs of whole sequences, each with a union trie of at most ``capacity`` tokens (see module doc)."""
+    """Packs of whole trees, each with a union trie of at most ``capacity`` tokens (see module doc)."""
     if len(r) == 0:
         return
     lengths = r.lengths
@@ -63,49 +66,72 @@ def pack_rollouts(r: Rollouts, capacity: int, *, max_packs: int | None = None) -
     if too_long.size:
         i = int(too_long[0])
         raise CapacityError(f"{describe_sequence(r, i)} has {int(lengths[i])} tokens, more than the capacity {capacity}")
-    scope, _ = scope_codes(r, "tree_id" if r.groups is not None else None)
-    if scope is None:
-        scope = np.zeros(len(r), dtype=np.int64)
+    shared, _ = scope_codes(r)  # what may share tokens in a pack: sequences of one step, whatever their tree
+    unit, _ = scope_codes(r, "tree_id" if r.groups is not None else None)  # what stays whole: a tree of a step
+    if unit is None:
+        unit = np.zeros(len(r), dtype=np.int64)
     # Trees in order of first appearance; sequences of a tree in input order.
-    _, first = np.unique(scope, return_index=True)
-    tree_order = scope[np.sort(first)]
-    members = {int(t): np.flatnonzero(scope == t) for t in tree_order.tolist()}
-    whole = PrefixTree.from_arrays(r.tokens, r.offsets, scope)  # one build gives every tree's size
-    tree_size = np.bincount(whole.scope, weights=whole.lengths - whole.lcp, minlength=int(scope.max()) + 1)
+    _, first = np.unique(unit, return_index=True)
+    tree_order = unit[np.sort(first)]
+    members = {int(t): np.flatnonzero(unit == t) for t in tree_order.tolist()}
+    union = UnionSize(r, shared)
     emitted = 0
     current: list[np.ndarray] = []
-    current_size = 0
+    current_ranks = np.zeros(0, dtype=np.int64)
 
     def flush() -> Pack:
-        idx = np.concatenate(current)
-        return build_pack(r, idx, scope=scope)
+        return build_pack(r, np.concatenate(current), scope=shared)
 
     for t in tree_order.tolist():
         index = members[int(t)]
-        size = int(tree_size[int(t)])
-        if size <= capacity:
-            if current and current_size + size > capacity:
-                yield flush()
-                emitted += 1
-                if max_packs is not None and emitted >= max_packs:
-                    return
-                current, current_size = [], 0
-            current.append(index)
-            current_size += size
+        ranks = np.sort(union.rank[index])
+        if union(ranks) <= capacity:
+            merged = np.union1d(current_ranks, ranks)
+            if not current or union(merged) <= capacity:
+                current.append(index)
+                current_ranks = merged
+                continue
+            yield flush()
+            emitted += 1
+            if max_packs is not None and emitted >= max_packs:
+                return
+            current, current_ranks = [index], ranks
             continue
         if current:
             yield flush()
             emitted += 1
-            current, current_size = [], 0
+            current, current_ranks = [], np.zeros(0, dtype=np.int64)
             if max_packs is not None and emitted >= max_packs:
                 return
         for run in _split_tree(r, index, capacity):
-            yield build_pack(r, run, scope=scope)
+            yield build_pack(r, run, scope=shared)
             emitted += 1
             if max_packs is not None and emitted >= max_packs:
                 return
     if current:
         yield flush()
+
+
+class UnionSize:
+    """Trie tokens of the union of any set of a batch's sequences, from one trie of the whole batch: with the
+    sequences in the trie's (lexicographic) order, the union's size is the sum of their lengths minus, for each
+    after the first, its longest common prefix with the one before it among the set, which is the minimum of
+    the adjacent LCPs between the two (a range minimum, O(1) a pair). Sequences of different scopes (steps)
+    share nothing."""
+
+    def __init__(self, r: Rollouts, scope: np.ndarray | None) -> None:
+        whole = PrefixTree.from_arrays(r.tokens, r.offsets, scope)
+        self.rank = np.empty(len(r), dtype=np.int64)
+        self.rank[whole.order] = np.arange(len(r))
+        self.lengths = whole.lengths
+        self.lcp = RangeMin(whole.lcp.astype(np.int32))  # lengths < 2^31 (check_token_buffer)
+
+    def __call__(self, ranks: np.ndarray) -> int:
+        """Trie tokens of the sequences at the sorted, distinct trie ranks ``ranks``."""
+        size = int(self.lengths[ranks].sum())
+        if len(ranks) > 1:
+            size -= int(self.lcp(ranks[:-1] + 1, ranks[1:] + 1).sum(dtype=np.int64))
+        return size
 
 
 def leaf_sequences(r: Rollouts) -> np.ndarray:
