@@ -215,21 +215,15 @@ def _causal_chunk(q_HCE: Tensor, k_HSE: Tensor, v_HSE: Tensor, q0: int) -> Tenso
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible_CS)[0]
 
 
-CUDNN_MIN_MEAN_LENGTH = 4096  # 16-bit on CUDA: cuDNN per sequence from this mean length, varlen flash below
-
-
 def _causal_sdpa(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, lengths: Sequence[int]) -> Tensor:
-    """Causal attention within each of the concatenated sequences: the dense baselines' attention, as fast as
-    torch runs it (`_causal_fast`) for 16-bit inputs on CUDA. Otherwise one ``is_causal`` SDPA call per
-    sequence on CUDA (O(L) memory); elsewhere SDPA's math path keeps the O(L^2) probabilities for backward
-    (27 GB in float64 for the 53 sequences of two 16k-token tau-bench packs), so there a sequence runs in
-    query chunks of at most `CAUSAL_SCORE_BUDGET` scores, each checkpointed: memory O(chunk) at the price of
-    recomputing the forward once."""
+    """Causal attention within each of the concatenated sequences. On CUDA: one ``is_causal`` SDPA call
+    per sequence (flash / memory-efficient kernels, O(L) memory). Elsewhere SDPA's math path keeps the
+    O(L^2) probabilities for backward (27 GB in float64 for the 53 sequences of two 16k-token tau-bench
+    packs), so there a sequence runs in query chunks of at most `CAUSAL_SCORE_BUDGET` scores, each
+    checkpointed: memory O(chunk) at the price of recomputing the forward once."""
     T, H = q_THE.shape[:2]
     if sum(lengths) != T:
         raise ValueError(f"causal attention: sequence lengths sum to {sum(lengths)}, tokens T={T}")
-    if q_THE.is_cuda and q_THE.dtype in (torch.float16, torch.bfloat16) and lengths:
-        return _causal_fast(q_THE, k_TKE, v_TKE, lengths)
     groups = H // k_TKE.shape[1]
     recompute = (torch.is_grad_enabled() and q_THE.device.type != "cuda"
                  and (q_THE.requires_grad or k_TKE.requires_grad or v_TKE.requires_grad))
@@ -248,51 +242,3 @@ def _causal_sdpa(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, lengths: Sequence[
         outs.append((torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).transpose(0, 1))
         start += n
     return torch.cat(outs, dim=0) if len(outs) != 1 else outs[0]
-
-
-def _causal_fast(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, lengths: Sequence[int]) -> Tensor:
-    """16-bit causal attention on CUDA with the fastest exact kernel torch has for the shape, so the dense
-    baselines are the strongest simple ones. Measured fwd + bwd per visible pair on an H100
-    (benchmarks/attention_backends.py, 2026-11-27): few long sequences run fastest as one cuDNN call each
-    (tau-bench's 5 sequences of a 24k pack 338 TFLOP/s, against 280 varlen, 205 flash), many short ones as
-    one varlen flash call (ToolBench's 48: 231 against 50 cuDNN; tau2-think's 31: 297 against 214). Neither
-    repeats the kv heads for GQA. torch's default SDPA choice (flash, with the kv heads repeated) was the
-    slowest of the three."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    H, K = q_THE.shape[1], k_TKE.shape[1]
-    varlen = _varlen_attention()
-    if varlen is not None and sum(lengths) < CUDNN_MIN_MEAN_LENGTH * len(lengths):
-        bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(q_THE.device,
-                                                                                       non_blocking=True)
-        return varlen(q_THE, k_TKE, v_TKE, bounds, max(lengths), H != K)
-    outs, start = [], 0
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
-                     set_priority=True):
-        for n in lengths:
-            q, k, v = (x[start : start + n].transpose(0, 1)[None] for x in (q_THE, k_TKE, v_TKE))
-            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != K)[0].transpose(0, 1))
-            start += n
-    return torch.cat(outs, dim=0) if len(outs) != 1 else outs[0]
-
-
-def _varlen_attention():
-    """torch's varlen flash attention as ``run(q, k, v, cu_seqlens, max_len, gqa)``, causal; None where this
-    torch has none (its keyword for causality and GQA differ between versions)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    import inspect
-
-    params = inspect.signature(varlen_attn).parameters
-    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-
-    def run(q, k, v, cu, max_len, gqa):
-        if gqa and "enable_gqa" not in params:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        extra = {"enable_gqa": True} if gqa and "enable_gqa" in params else {}
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **extra)
-
-    return run
