@@ -18,6 +18,8 @@ from treepack.train.losses import (
     LossRows,
     Objective,
     group_advantages,
+    prepare_grpo_data,
+    whole_group_advantages,
     row_weights,
     static_rows,
     target_logprobs,
@@ -230,3 +232,25 @@ def test_group_advantages():
     r.rewards = np.array([1.0, np.nan, 2.0, 2.0, 5.0])
     with pytest.raises(TreepackError, match="needs a reward for every sequence; sequence 1 has none"):
         group_advantages([build_pack(r)])
+
+
+def test_whole_group_advantages_span_the_steps_a_group_was_cut_between():
+    """`treepack pack`'s packers may cut a group between packs that train in different steps: each part's
+    advantages come from the whole group, as if the group had been in one pack. Unnamed sequences stay per batch."""
+    r = rollouts_from([[1, 2], [1, 3], [1, 4], [1, 5]], groups=["g", "g", "g", "g"])
+    r.rewards = np.array([0.0, 1.0, 3.0, 4.0])
+    packs = [build_pack(r, [0, 1]), build_pack(r, [2, 3])]
+    whole = prepare_grpo_data(packs, kl_coef=0.0)
+    per_step = [group_advantages([p])[0] for p in whole]  # one pack a step: each keeps the whole-group values
+    g = r.rewards
+    want = (g - g.mean()) / (g.std() + 1e-6)
+    assert np.concatenate([p.advantages for p in per_step]) == pytest.approx(want, rel=1e-12)
+    alone = np.concatenate([group_advantages([p])[0].advantages for p in packs])  # what each step computed before
+    assert alone == pytest.approx([-1, 1, -1, 1], abs=1e-5)
+    r.steps = np.array([0, 0, 1, 1])  # a group is (step, tree_id): the same tree_id in two steps is two groups
+    stepped = whole_group_advantages([build_pack(r, [0, 1, 2, 3])])[0]
+    assert stepped.advantages == pytest.approx([-1, 1, -1, 1], abs=1e-5)
+    r.groups = r.group_names = None
+    r.steps = None
+    unnamed = [build_pack(r, [0, 1]), build_pack(r, [2, 3])]
+    assert whole_group_advantages(unnamed) is unnamed and all(p.advantages is None for p in unnamed)

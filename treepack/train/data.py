@@ -3,8 +3,9 @@ rollout files as `treepack pack` does).
 
 Rollout files are packed on the fly with a simple policy that keeps whole trees in input order (the
 packing strategies of ``treepack pack`` optimise N_pack over the whole batch and may cut a GRPO group
-between packs, hence between steps, where `losses.group_advantages` normalises rewards within a step's
-packs; this one keeps every group whole, is predictable, and never repeats a prefix it need not):
+between packs, hence between optimizer steps (its advantages still come from the whole group:
+`losses.whole_group_advantages`); this one trains every group in one step, is predictable, and never
+repeats a prefix it need not):
 trees (``tree_id`` groups, split by ``step`` when present) are taken in input order; a tree joins the current
 pack when the pack's union trie still fits the capacity, else starts a new pack. Trees of one pack share
 their common prefixes (a system prompt, a task's opening turns), as in ``treepack pack``'s forest: the

@@ -43,7 +43,7 @@ from treepack.train.checkpoint import has_checkpoint, load_checkpoint, open_metr
 from treepack.train.collector import Pauses, freeze_warmup, thaw
 from treepack.train.config import RunConfig
 from treepack.train.data import batch_indices, compact_vocab, data_where, load_packs
-from treepack.train.losses import BatchTotals, LossRows, Objective, check_grpo_data, group_advantages
+from treepack.train.losses import BatchTotals, LossRows, Objective, group_advantages, prepare_grpo_data
 from treepack.train.memory_limit import capped, describe_memory_limit
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import Mode, make_mode
@@ -407,7 +407,7 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
     if not packs:
         raise ConfigError("the data section yields no packs")
     if cfg.train.loss.kind == "grpo":
-        check_grpo_data(packs, cfg.train.loss.kl_coef, where)
+        packs = prepare_grpo_data(packs, cfg.train.loss.kl_coef, where)
     if cfg.data.packs_per_step > len(packs):
         raise ConfigError(f"data.packs_per_step ({cfg.data.packs_per_step}) exceeds the packs in the data "
                           f"({len(packs)})")

@@ -455,10 +455,30 @@ def check_grpo_data(packs: list[Pack], kl_coef: float, where: str = "") -> None:
                           "which the data have none of: the KL to them would be 0")
 
 
+def prepare_grpo_data(packs: list[Pack], kl_coef: float, where: str = "") -> list[Pack]:
+    """`check_grpo_data`, then the advantages of named groups (``tree_id``) from each whole group
+    (`whole_group_advantages`): what a GRPO run does with its packs before step 1."""
+    check_grpo_data(packs, kl_coef, where)
+    return whole_group_advantages(packs)
+
+
+def whole_group_advantages(packs: list[Pack], eps: float = 1e-6) -> list[Pack]:
+    """`group_advantages` over every pack at once when every sequence that needs one names its group
+    (``tree_id``): a group's mean and std are then those of the whole group, ``(step, tree_id)``, wherever the
+    packer put its sequences. ``treepack pack``'s packers may cut a group between packs, and two packs of one
+    group may fall in different optimizer steps, where advantages from each step's packs alone would
+    normalise each part by its own statistics. Packs of unnamed sequences are left to `group_advantages` per
+    step batch (the batch is their group)."""
+    todo = [p for p in packs if p.advantages is None]
+    if not todo or any(p.seq_groups is None for p in todo):
+        return packs
+    return group_advantages(packs, eps)
+
+
 def group_advantages(packs: list[Pack], eps: float = 1e-6) -> list[Pack]:
     """GRPO advantages for packs that have none: each sequence's reward minus its group's mean, over the
-    group's std (+ eps), groups being ``tree_id`` within the given packs (one global batch). Packs that
-    already carry advantages are returned unchanged."""
+    group's std (+ eps), groups being ``(step, tree_id)`` within the given packs (one global batch; without
+    ``tree_id`` the batch is one group per step). Packs that already carry advantages are returned unchanged."""
     todo = [i for i, p in enumerate(packs) if p.advantages is None]
     if not todo:
         return packs
@@ -472,9 +492,11 @@ def group_advantages(packs: list[Pack], eps: float = 1e-6) -> list[Pack]:
             s = int(np.flatnonzero(np.isnan(r))[0])
             raise TreepackError(f"the grpo loss needs a reward for every sequence; sequence {p.seq_ids[s]!r} has none")
         rewards.append(r)
-        groups.extend(p.seq_groups if p.seq_groups is not None else [None] * p.n_sequences)
+        names = p.seq_groups if p.seq_groups is not None else [None] * p.n_sequences
+        steps = p.seq_steps.tolist() if p.seq_steps is not None else [None] * p.n_sequences
+        groups.extend(f"{step}\x00{name}" for step, name in zip(steps, names))
     reward_S = np.concatenate(rewards)
-    _, code_S = np.unique(np.asarray([str(g) for g in groups]), return_inverse=True)
+    _, code_S = np.unique(np.asarray(groups), return_inverse=True)
     count_G = np.bincount(code_S)
     mean_G = np.bincount(code_S, weights=reward_S) / count_G
     var_G = np.bincount(code_S, weights=(reward_S - mean_G[code_S]) ** 2) / count_G
