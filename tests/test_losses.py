@@ -19,12 +19,12 @@ from treepack.train.losses import (
     Objective,
     group_advantages,
     prepare_grpo_data,
-    whole_group_advantages,
     row_weights,
     static_rows,
     target_logprobs,
     token_weights_fast,
     vocab_block,
+    whole_group_advantages,
 )
 
 
