@@ -278,50 +278,41 @@ def _type_name(tp) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
+def _token_count(value, what: str, bad: str, negative: str) -> int:
+    """Tokens as an integer or a size such as "8K" (`treepack.sizes`; "0k" is 0); negatives refused. ``bad`` and
+    ``negative``: the messages after ``what``, formatted with ``value`` and ``tokens``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        tokens = value
+    else:
+        text = str(value).strip()
+        if text.lstrip("-").isdigit():
+            tokens = int(text)
+        else:
+            try:
+                tokens = parse_size(text, what=what)
+            except TreepackError:
+                if text[:1] == "0" and text.rstrip("kKMG").strip("0.") == "":
+                    return 0
+                raise ConfigError(f"{what} {bad.format(value=value)}") from None
+    if tokens < 0:
+        raise ConfigError(f"{what} {negative.format(tokens=tokens)}")
+    return tokens
+
+
 def parse_dfs_block(value, what: str) -> int | str:
     """A dfs block as written (``train.dfs_block_size``, ``verify --dfs-block-size``): "auto", or tokens as an
     integer or a size such as "8K", 0 for unlimited."""
     if value == "auto":
         return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        tokens = value
-    else:
-        text = str(value).strip()
-        if text.lstrip("-").isdigit():
-            tokens = int(text)
-        else:
-            try:
-                tokens = parse_size(text, what=what)
-            except TreepackError:
-                if text[:1] == "0" and text.rstrip("kKMG").strip("0.") == "":  # "0k": zero is unlimited
-                    return 0
-                raise ConfigError(f'{what} must be a number of tokens such as 8192 or "8K", 0 (unlimited) or "auto", '
-                                  f"got {value!r}") from None
-    if tokens < 0:
-        raise ConfigError(f'{what} must be >= 0 (0: unlimited) or "auto", got {tokens}')
-    return tokens
+    return _token_count(value, what, 'must be a number of tokens such as 8192 or "8K", 0 (unlimited) or "auto", got {value!r}',
+                        'must be >= 0 (0: unlimited) or "auto", got {tokens}')
 
 
 def parse_dfs_keep(value, what: str) -> int:
     """dfs keep tokens as written (``train.dfs_keep_tokens``, ``verify --dfs-keep-tokens``): an integer or a size
-    such as "4K" (`treepack.sizes`), 0 for off; negatives refused."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        tokens = value
-    else:
-        text = str(value).strip()
-        if text.lstrip("-").isdigit():
-            tokens = int(text)
-        else:
-            try:
-                tokens = parse_size(text, what=what)
-            except TreepackError:
-                if text[:1] == "0" and text.rstrip("kKMG").strip("0.") == "":  # "0k": zero is off
-                    return 0
-                raise ConfigError(f'{what} must be a number of tokens such as 4096 or "4K" (0: off), '
-                                  f"got {value!r}") from None
-    if tokens < 0:
-        raise ConfigError(f"{what} must be >= 0, got {tokens}")
-    return tokens
+    such as "4K", 0 for off; negatives refused."""
+    return _token_count(value, what, 'must be a number of tokens such as 4096 or "4K" (0: off), got {value!r}',
+                        "must be >= 0, got {tokens}")
 
 
 # keys that take a token count as an integer or a string such as "64K"
