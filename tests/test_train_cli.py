@@ -290,7 +290,7 @@ def test_resume_continues_the_same_run(tmp_path):
     part = write_config(tmp_path, steps=4, out="part", output_extra="save_every = 2")
     assert run("train", part, "--steps", "2").code == 0
     r = run("train", part)
-    assert r.code == 0 and r.out.splitlines()[0] == f"resumed from {tmp_path / 'part' / 'checkpoint'} at step 2"
+    assert r.code == 0 and r.out.splitlines()[3] == f"resumed from {tmp_path / 'part' / 'checkpoint'} at step 2"
     a = [m["loss"] for m in metrics(tmp_path / "full")]
     b = [m["loss"] for m in metrics(tmp_path / "part")]
     assert b == pytest.approx(a, rel=1e-12)
@@ -307,7 +307,7 @@ def test_resume_applies_the_configs_adamw_settings_and_says_so(tmp_path):
     changed = write_config(tmp_path, steps=4, out="part", extra="beta2 = 0.99\nweight_decay = 0.1\n")
     r = run("train", changed)
     assert r.code == 0, r.err
-    assert r.out.splitlines()[1] == ("resumed with the config's AdamW settings, not the checkpoint's: "
+    assert r.out.splitlines()[4] == ("resumed with the config's AdamW settings, not the checkpoint's: "
                                      "train.beta2 0.95 -> 0.99, train.weight_decay 0 -> 0.1")
     groups = json.loads((tmp_path / "part" / "checkpoint" / "trainer.json").read_text())["param_groups"]
     assert [(g["betas"], g["weight_decay"]) for g in groups] == [([0.9, 0.99], 0.1), ([0.9, 0.99], 0.0)]
@@ -590,7 +590,7 @@ def test_compact_vocab_resume_refuses_other_token_ids_and_keeps_the_map(tmp_path
                                             "token ids are not the ones the checkpoint was trained on")
     assert (tmp_path / "cv" / "vocab.json").read_text() == vocab
     same = run("train", config(4))  # the checkpoint's own data resumes
-    assert same.code == 0 and same.out.splitlines()[0].startswith("resumed from")
+    assert same.code == 0 and same.out.splitlines()[3].startswith("resumed from")
 
 
 def test_vocab_too_small_names_the_key_and_resume_false_says_it_starts_over(tmp_path):

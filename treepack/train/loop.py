@@ -422,6 +422,8 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
                           clip_low=cfg.train.loss.clip_low, clip_high=cfg.train.loss.clip_high,
                           kl_coef=cfg.train.loss.kl_coef)
     mode = build_mode(cfg)
+    for line in banner(cfg, model, packs, device, param_dtype, autocast_dtype):  # what runs, before any notice
+        log(line)
     if isinstance(mode, AutoMode):  # which mode runs each pack, and why
         for line in mode.describe(model, packs, [LossRows.from_pack(p) for p in packs], dtype=autocast_dtype):
             log(line)
@@ -452,8 +454,6 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
     def save(step: int) -> None:
         save_checkpoint(out_dir, model, optimizer, {"step": step, "losses": losses})
 
-    for line in banner(cfg, model, packs, device, param_dtype, autocast_dtype):
-        log(line)
     for line in filter(None, [describe_memory_limit(cfg.train.memory, model, device, autocast_dtype or param_dtype)]):
         log(line)
     if isinstance(mode, DfsMode):  # how large its calls may be (on this GPU), and why
