@@ -147,3 +147,26 @@ class Render:
 
 
 CHAT_OPTIONS = {name: getattr(Render, name) for name in ("turns", "reasoning", "no_system", "no_tools", "template_arg")}
+
+
+def check_output_path(output: str | os.PathLike, inputs: Collection[str] = (), *, inside_inputs: bool = False
+                      ) -> None:
+    """Refuse, before any work, an output that would overwrite what the command or its user still needs: one of
+    its own inputs (``tokenize in.jsonl -o in.jsonl``), a place inside an input directory (a rerun would read
+    it as input; ``inside_inputs``: allowed, for pack's directories, which the readers skip), or a file inside a
+    pack directory (it could replace a shard; ``unpack`` says the same). A usage error naming ``--output``."""
+    from pathlib import Path
+
+    if str(output) == "-":
+        return
+    out = Path(output).resolve()
+    for src in inputs:
+        if src == "-" or not Path(src).exists():
+            continue
+        path = Path(src).resolve()
+        if out == path or (not inside_inputs and path.is_dir() and path in out.parents):
+            where = "is" if out == path else "is inside"
+            raise typer.BadParameter(f"{str(output)!r} {where} the input {src}: write it elsewhere", param_hint="--output")
+    if (out.parent / "manifest.json").is_file():
+        raise typer.BadParameter(f"{str(output)!r}: write it outside the pack directory {out.parent} (a file there can "
+                                 "replace one of its shards)", param_hint="--output")

@@ -10,7 +10,15 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from treepack.cli.common import Render, check_choice, console, err_console, handle_errors, nothing_read
+from treepack.cli.common import (
+    Render,
+    check_choice,
+    check_output_path,
+    console,
+    err_console,
+    handle_errors,
+    nothing_read,
+)
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
     TOKENIZER_HELP,
@@ -85,6 +93,9 @@ def pack(
         raise typer.BadParameter(f"--pad-to {pad_to} is larger than the capacity {cap:,}", param_hint="--pad-to")
     chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, ctx, turns=turns, reasoning=reasoning,
                       no_system=no_system, no_tools=no_tools, template_arg=template_arg)
+    if output == "-":
+        raise typer.BadParameter("pack writes a directory of shards, not a stream: name one", param_hint="--output")
+    check_output_path(output, files, inside_inputs=True)  # the readers skip a pack directory
     out = Path(output)
     check_output_dir(out)  # before the work, not after it
 

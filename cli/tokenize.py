@@ -22,7 +22,15 @@ from treepack.cli.chat_inputs import (
     rendering,
     share,
 )
-from treepack.cli.common import Render, check_choice, console, err_console, handle_errors, nothing_read
+from treepack.cli.common import (
+    Render,
+    check_choice,
+    check_output_path,
+    console,
+    err_console,
+    handle_errors,
+    nothing_read,
+)
 from treepack.cli.inputs import report_skipped_records
 
 from treepack.errors import TreepackError
@@ -58,6 +66,8 @@ def tokenize(
     if output is not None and not str(output).endswith(OUTPUT_SUFFIXES):
         raise typer.BadParameter(f"{output.name!r}: the file name must end in .jsonl, .jsonl.gz or .parquet",
                                  param_hint="--output")
+    if output is not None:
+        check_output_path(output, files)
     if verify < 0:
         raise typer.BadParameter("must be at least 0", param_hint="--verify")
     if verify and "-" in files:

@@ -319,3 +319,63 @@ def test_atomic_dir_into_an_existing_directory_replaces_no_file_and_moves_last_l
         (tmp / "m").write_text("new")
     assert exc.value.filename == str(out / "m")
     assert listing(tmp_path) == ["d", "d/a", "d/m", "d/z"] and (out / "m").read_text() == "m"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# outputs that would overwrite what is still needed are refused before any work
+
+
+def usage_error(r) -> str:
+    assert r.code == 2, (r.code, r.out, r.err)
+    return r.err.strip().splitlines()[-1]
+
+
+def test_tokenize_refuses_its_own_input_as_output(tok_dir, chats, tmp_path):
+    before = chats.read_bytes()
+    assert usage_error(run("tokenize", chats, "--tokenizer", tok_dir, "-o", chats)) == (
+        f"Error: Invalid value for --output: {str(chats)!r} is the input {chats}: write it elsewhere")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(chats)
+    assert "is the input" in usage_error(run("tokenize", chats, "--tokenizer", tok_dir, "-o", link))
+    inside = chats.parent / "out.jsonl"  # a rerun over the directory would read it as a conversation file
+    assert usage_error(run("tokenize", chats.parent, "--tokenizer", tok_dir, "-o", inside)) == (
+        f"Error: Invalid value for --output: {str(inside)!r} is inside the input {chats.parent}: write it elsewhere")
+    assert chats.read_bytes() == before and not inside.exists()
+
+
+def test_no_command_writes_a_file_into_a_pack_directory(tok_dir, chats, tmp_path):
+    src = tmp_path / "r.jsonl"
+    assert run("synth", "tau2", "-n", "1", "-o", src, "-q").code == 0
+    assert run("pack", src, "-c", "64K", "-o", tmp_path / "p", "-q").code == 0
+    shard = tmp_path / "p" / "shard-00000.parquet"
+    before = shard.read_bytes()
+    want = (f"Error: Invalid value for --output: {str(shard)!r}: write it outside the pack directory {tmp_path / 'p'} "
+            "(a file there can replace one of its shards)")
+    assert usage_error(run("synth", "tau2", "-n", "1", "-o", shard)) == want
+    assert usage_error(run("tokenize", chats, "--tokenizer", tok_dir, "-o", shard)) == want
+    assert shard.read_bytes() == before
+
+
+def test_pack_refuses_a_stream_and_its_input_directory(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    assert run("synth", "tau2", "-n", "1", "-o", d / "r.jsonl", "-q").code == 0
+    assert usage_error(run("pack", d, "-c", "64K", "-o", "-")) == (
+        "Error: Invalid value for --output: pack writes a directory of shards, not a stream: name one")
+    assert usage_error(run("pack", d, "-c", "64K", "-o", d)) == (
+        f"Error: Invalid value for --output: {str(d)!r} is the input {d}: write it elsewhere")
+    assert run("pack", d, "-c", "64K", "-o", d / "packs", "-q").code == 0  # readers skip a pack directory
+    assert run("pack", d, "-c", "64K", "-o", tmp_path / "again", "-q").code == 0
+
+
+def test_a_symlinked_output_is_written_through_and_long_names_work(tmp_path):
+    src = tmp_path / "r.jsonl"
+    assert run("synth", "tau2", "-n", "1", "-o", src, "-q").code == 0
+    target, link = tmp_path / "target.jsonl", tmp_path / "link.jsonl"
+    target.write_text("orig\n")
+    link.symlink_to(target)
+    assert run("synth", "tau2", "-n", "1", "-o", link, "-q").code == 0
+    assert link.is_symlink() and target.read_bytes() == src.read_bytes()
+    long = tmp_path / ("a" * 245 + ".jsonl")  # 251 bytes: valid, and so must its temporary be
+    assert run("synth", "tau2", "-n", "1", "-o", long, "-q").code == 0
+    assert long.read_bytes() == src.read_bytes() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

@@ -31,10 +31,16 @@ from pathlib import Path
 TMP_SUFFIX = ".tmp"
 
 
+NAME_MAX = 255  # bytes of a file name on the common file systems
+
+
 def temporary_name(path: str | os.PathLike) -> Path:
-    """The hidden temporary name of the output ``path``: ``.NAME.PID.tmp`` in the same directory."""
+    """The hidden temporary name of the output ``path``: ``.NAME.PID.tmp`` in the same directory, NAME cut so the
+    whole stays within `NAME_MAX` bytes (an output name near the limit is valid; its temporary must be too)."""
     path = Path(path)
-    return path.parent / f".{path.name}.{os.getpid()}{TMP_SUFFIX}"
+    tail = f".{os.getpid()}{TMP_SUFFIX}"
+    name = path.name.encode()[: NAME_MAX - 1 - len(tail)].decode(errors="ignore")
+    return path.parent / f".{name}{tail}"
 
 
 def check_writable_name(path: str | os.PathLike) -> None:
@@ -105,7 +111,8 @@ class AtomicFile:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
+        # a symbolic link is written through, as an in-place write would: the rename replaces its target
+        self.path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
         check_writable_name(self.path)
         self.tmp = temporary_name(self.path)
 
