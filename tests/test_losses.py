@@ -17,6 +17,7 @@ from treepack.train.losses import (
     BatchTotals,
     LossRows,
     Objective,
+    flat_groups_notice,
     group_advantages,
     prepare_grpo_data,
     row_weights,
@@ -254,3 +255,16 @@ def test_whole_group_advantages_span_the_steps_a_group_was_cut_between():
     r.steps = None
     unnamed = [build_pack(r, [0, 1]), build_pack(r, [2, 3])]
     assert whole_group_advantages(unnamed) is unnamed and all(p.advantages is None for p in unnamed)
+
+
+def test_flat_groups_notice_counts_groups_without_a_signal():
+    """Groups of one sequence, or of equal rewards, get advantage 0: said once, before step 1."""
+    r = rollouts_from([[1, 2], [1, 3], [4, 5], [4, 6], [7, 8]], groups=["a", "a", "b", "b", "c"])
+    r.rewards = np.array([1.0, 0.0, 2.0, 2.0, 5.0])
+    packs = [build_pack(r, [0, 1, 2]), build_pack(r, [3, 4])]
+    assert flat_groups_notice(packs) == ("grpo: 2 of 3 groups (tree_id) have one sequence (1) or equal rewards (1): "
+                                         "their 3 sequences get advantage 0 and add no gradient")
+    r.rewards = np.array([1.0, 0.0, 2.0, 3.0, 5.0])
+    r.groups = np.array([0, 0, 1, 1, 1])
+    assert flat_groups_notice([build_pack(r)]) is None
+    assert flat_groups_notice(prepare_grpo_data([build_pack(r)], kl_coef=0.0)) is None  # advantages given: nothing to say

@@ -43,7 +43,14 @@ from treepack.train.checkpoint import has_checkpoint, load_checkpoint, open_metr
 from treepack.train.collector import Pauses, freeze_warmup, thaw
 from treepack.train.config import RunConfig
 from treepack.train.data import batch_indices, compact_vocab, data_where, load_packs
-from treepack.train.losses import BatchTotals, LossRows, Objective, group_advantages, prepare_grpo_data
+from treepack.train.losses import (
+    BatchTotals,
+    LossRows,
+    Objective,
+    flat_groups_notice,
+    group_advantages,
+    prepare_grpo_data,
+)
 from treepack.train.memory_limit import capped, describe_memory_limit
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import Mode, make_mode
@@ -406,7 +413,9 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
         where = data_where(source)
     if not packs:
         raise ConfigError("the data section yields no packs")
+    flat = None  # a line when some GRPO groups have nothing to learn from
     if cfg.train.loss.kind == "grpo":
+        flat = flat_groups_notice(packs)
         packs = prepare_grpo_data(packs, cfg.train.loss.kl_coef, where)
     if cfg.data.packs_per_step > len(packs):
         raise ConfigError(f"data.packs_per_step ({cfg.data.packs_per_step}) exceeds the packs in the data "
@@ -424,6 +433,8 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
     mode = build_mode(cfg)
     for line in banner(cfg, model, packs, device, param_dtype, autocast_dtype):  # what runs, before any notice
         log(line)
+    if flat:
+        log(flat)
     if isinstance(mode, AutoMode):  # which mode runs each pack, and why
         for line in mode.describe(model, packs, [LossRows.from_pack(p) for p in packs], dtype=autocast_dtype):
             log(line)

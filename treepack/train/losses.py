@@ -462,6 +462,28 @@ def prepare_grpo_data(packs: list[Pack], kl_coef: float, where: str = "") -> lis
     return whole_group_advantages(packs)
 
 
+def flat_groups_notice(packs: list[Pack]) -> str | None:
+    """A line when some GRPO groups cannot teach anything: a group of one sequence, or whose rewards are all
+    equal, has advantage 0 for each of its sequences, so they add no gradient (tau-bench's tasks hold one
+    trajectory each: a run on them trains on nothing, at loss 0.000, unless the data give advantages). Counted
+    over the groups `whole_group_advantages` normalises (call it on the packs before); None when none is flat."""
+    todo = [p for p in packs if p.advantages is None]
+    if not todo or any(p.rewards is None or p.seq_groups is None for p in todo):
+        return None
+    rewards: dict[str, list[float]] = {}
+    for p in todo:
+        steps = p.seq_steps.tolist() if p.seq_steps is not None else [None] * p.n_sequences
+        for step, name, reward in zip(steps, p.seq_groups, np.asarray(p.rewards, dtype=np.float64).tolist()):
+            rewards.setdefault(f"{step}\x00{name}", []).append(reward)
+    alone = sum(1 for r in rewards.values() if len(r) == 1)
+    equal = sum(1 for r in rewards.values() if len(r) > 1 and max(r) == min(r))
+    if not alone + equal:
+        return None
+    seqs = sum(len(r) for r in rewards.values() if len(r) == 1 or max(r) == min(r))
+    return (f"grpo: {alone + equal:,} of {len(rewards):,} groups (tree_id) have one sequence ({alone:,}) or equal "
+            f"rewards ({equal:,}): their {seqs:,} sequences get advantage 0 and add no gradient")
+
+
 def whole_group_advantages(packs: list[Pack], eps: float = 1e-6) -> list[Pack]:
     """`group_advantages` over every pack at once when every sequence that needs one names its group
     (``tree_id``): a group's mean and std are then those of the whole group, ``(step, tree_id)``, wherever the
