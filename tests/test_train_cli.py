@@ -162,7 +162,7 @@ def test_three_step_run_matches_golden(tmp_path):
     assert banner[0] == "treepack train: tree mode on cpu (float64), 3 steps"
     assert banner[1].startswith("model: random init (qwen3), ") and banner[2].startswith("data: ")
     eta = [line for line in lines if line.startswith("eta ")]
-    assert len(eta) == 1 and re.fullmatch(r"eta \d+s: 1 more steps at \d+\.\d\d s/step \(the first step took "
+    assert len(eta) == 1 and re.fullmatch(r"eta \d+s: 1 more step at \d+\.\d\d s/step \(the first step took "
                                           r"\d+\.\d\d s\)", eta[0]), eta
     assert lines.index(eta[0]) == 5  # right after the second step's line
     assert all(LINE.match(line) for line in steps[:3]), lines

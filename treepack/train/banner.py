@@ -57,4 +57,6 @@ def eta_line(seconds: list[float], done: int, total: int) -> str | None:
     minutes, secs = divmod(round(left), 60)
     hours, minutes = divmod(minutes, 60)
     when = f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-    return f"eta {when}: {total - done:,} more steps at {per:.2f} s/step (the first step took {seconds[0]:.2f} s)"
+    left = total - done
+    return (f"eta {when}: {left:,} more step{'s' if left != 1 else ''} at {per:.2f} s/step "
+            f"(the first step took {seconds[0]:.2f} s)")
