@@ -170,3 +170,9 @@ def check_output_path(output: str | os.PathLike, inputs: Collection[str] = (), *
     if (out.parent / "manifest.json").is_file():
         raise typer.BadParameter(f"{str(output)!r}: write it outside the pack directory {out.parent} (a file there can "
                                  "replace one of its shards)", param_hint="--output")
+
+
+def check_stdout(output: str) -> None:
+    """``-o -`` with standard output closed (``treepack synth ... -o - >&-``): one line, not a traceback."""
+    if output == "-" and sys.stdout is None:
+        raise InputError("-o -: standard output is closed")

@@ -12,7 +12,13 @@ from enum import Enum
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from treepack.cli.common import check_output_path, err_console, handle_errors, whole_stdout_writes
+from treepack.cli.common import (
+    check_output_path,
+    check_stdout,
+    err_console,
+    handle_errors,
+    whole_stdout_writes,
+)
 from treepack.datasets import synth as lib
 from treepack.datasets.writer import output_format
 
@@ -65,6 +71,7 @@ def synth(
     except TreepackError as exc:
         raise typer.BadParameter(str(exc), param_hint="--output") from None
     check_output_path(output)
+    check_stdout(output)
     if turns is not None and not math.isfinite(turns):
         raise typer.BadParameter(f"must be a finite number, got {turns}", param_hint="--turns")
     if steps is not None and steps > n:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from treepack.cli.common import err_console, handle_errors, whole_stdout_writes
+from treepack.cli.common import check_stdout, err_console, handle_errors, whole_stdout_writes
 
 from treepack.io.records import write_rollouts
 from treepack.pack.shard_reader import pack_dir_of, read_inputs, read_manifest
@@ -20,6 +20,7 @@ def unpack(
     """Rebuild every packed record (tokens, loss_mask, id, tree_id, step, advantage, reward, logprobs) from the shards."""
     if not (output == "-" or output.endswith((".jsonl", ".jsonl.gz", ".parquet", ".pq"))):
         raise typer.BadParameter(f"{output!r}: expected a .jsonl, .jsonl.gz or .parquet file, or -", param_hint="--output")
+    check_stdout(output)
     packs = pack_dir_of(directory)  # the directory, or its manifest.json
     if packs is None:
         read_manifest(directory)  # raises, naming what is missing

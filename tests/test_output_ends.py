@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -80,3 +81,12 @@ def test_a_signal_mid_write_leaves_no_temporary_file(tmp_path, sig, code, suffix
         assert list(tmp_path.iterdir()) == []
     finally:
         p.kill()
+
+
+@pytest.mark.parametrize("command", [("synth", "tau2", "-n", "1"), ("unpack", "PACKS")])
+def test_a_closed_stdout_is_one_line(packs, command):
+    """``-o -`` with standard output closed (``>&-``): one line naming it, exit 1, no traceback."""
+    args = [str(packs) if a == "PACKS" else a for a in command]
+    p = subprocess.run([sys.executable, "-m", "treepack", *args, "-o", "-"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1), check=False)
+    assert (p.returncode, p.stderr) == (1, b"Error: -o -: standard output is closed\n")
