@@ -16,6 +16,7 @@ import io
 import os
 import sys
 from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import typer
@@ -155,8 +156,6 @@ def check_output_path(output: str | os.PathLike, inputs: Collection[str] = (), *
     its own inputs (``tokenize in.jsonl -o in.jsonl``), a place inside an input directory (a rerun would read
     it as input; ``inside_inputs``: allowed, for pack's directories, which the readers skip), or a file inside a
     pack directory (it could replace a shard; ``unpack`` says the same). A usage error naming ``--output``."""
-    from pathlib import Path
-
     if str(output) == "-":
         return
     out = Path(output).resolve()

@@ -241,7 +241,7 @@ def test_whole_group_advantages_span_the_steps_a_group_was_cut_between():
     r = rollouts_from([[1, 2], [1, 3], [1, 4], [1, 5]], groups=["g", "g", "g", "g"])
     r.rewards = np.array([0.0, 1.0, 3.0, 4.0])
     packs = [build_pack(r, [0, 1]), build_pack(r, [2, 3])]
-    whole = prepare_grpo_data(packs, kl_coef=0.0)
+    whole, _ = prepare_grpo_data(packs, kl_coef=0.0)
     per_step = [group_advantages([p])[0] for p in whole]  # one pack a step: each keeps the whole-group values
     g = r.rewards
     want = (g - g.mean()) / (g.std() + 1e-6)
@@ -267,4 +267,4 @@ def test_flat_groups_notice_counts_groups_without_a_signal():
     r.rewards = np.array([1.0, 0.0, 2.0, 3.0, 5.0])
     r.groups = np.array([0, 0, 1, 1, 1])
     assert flat_groups_notice([build_pack(r)]) is None
-    assert flat_groups_notice(prepare_grpo_data([build_pack(r)], kl_coef=0.0)) is None  # advantages given: nothing to say
+    assert flat_groups_notice(prepare_grpo_data([build_pack(r)], kl_coef=0.0)[0]) is None  # advantages given: nothing to say

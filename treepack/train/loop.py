@@ -43,14 +43,7 @@ from treepack.train.checkpoint import has_checkpoint, load_checkpoint, open_metr
 from treepack.train.collector import Pauses, freeze_warmup, thaw
 from treepack.train.config import RunConfig
 from treepack.train.data import batch_indices, compact_vocab, data_where, load_packs
-from treepack.train.losses import (
-    BatchTotals,
-    LossRows,
-    Objective,
-    flat_groups_notice,
-    group_advantages,
-    prepare_grpo_data,
-)
+from treepack.train.losses import BatchTotals, LossRows, Objective, group_advantages, prepare_grpo_data
 from treepack.train.memory_limit import capped, describe_memory_limit
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import Mode, make_mode
@@ -415,8 +408,7 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
         raise ConfigError("the data section yields no packs")
     flat = None  # a line when some GRPO groups have nothing to learn from
     if cfg.train.loss.kind == "grpo":
-        flat = flat_groups_notice(packs)
-        packs = prepare_grpo_data(packs, cfg.train.loss.kl_coef, where)
+        packs, flat = prepare_grpo_data(packs, cfg.train.loss.kl_coef, where)
     if cfg.data.packs_per_step > len(packs):
         raise ConfigError(f"data.packs_per_step ({cfg.data.packs_per_step}) exceeds the packs in the data "
                           f"({len(packs)})")

@@ -455,26 +455,32 @@ def check_grpo_data(packs: list[Pack], kl_coef: float, where: str = "") -> None:
                           "which the data have none of: the KL to them would be 0")
 
 
-def prepare_grpo_data(packs: list[Pack], kl_coef: float, where: str = "") -> list[Pack]:
-    """`check_grpo_data`, then the advantages of named groups (``tree_id``) from each whole group
-    (`whole_group_advantages`): what a GRPO run does with its packs before step 1."""
+def prepare_grpo_data(packs: list[Pack], kl_coef: float, where: str = "") -> tuple[list[Pack], str | None]:
+    """What a GRPO run does with its packs before step 1: `check_grpo_data`, then the advantages of named groups
+    (``tree_id``) from each whole group (`whole_group_advantages`); with `flat_groups_notice`'s line, if any."""
     check_grpo_data(packs, kl_coef, where)
-    return whole_group_advantages(packs)
+    return whole_group_advantages(packs), flat_groups_notice(packs)
+
+
+def _group_keys(p: Pack) -> list[str]:
+    """Each sequence's GRPO group: ``(step, tree_id)`` as one string (None where the pack has no such field)."""
+    names = p.seq_groups if p.seq_groups is not None else [None] * p.n_sequences
+    steps = p.seq_steps.tolist() if p.seq_steps is not None else [None] * p.n_sequences
+    return [f"{step}\x00{name}" for step, name in zip(steps, names)]
 
 
 def flat_groups_notice(packs: list[Pack]) -> str | None:
     """A line when some GRPO groups cannot teach anything: a group of one sequence, or whose rewards are all
     equal, has advantage 0 for each of its sequences, so they add no gradient (tau-bench's tasks hold one
     trajectory each: a run on them trains on nothing, at loss 0.000, unless the data give advantages). Counted
-    over the groups `whole_group_advantages` normalises (call it on the packs before); None when none is flat."""
+    over the groups `whole_group_advantages` normalises (before it runs); None when none is flat."""
     todo = [p for p in packs if p.advantages is None]
     if not todo or any(p.rewards is None or p.seq_groups is None for p in todo):
         return None
     rewards: dict[str, list[float]] = {}
     for p in todo:
-        steps = p.seq_steps.tolist() if p.seq_steps is not None else [None] * p.n_sequences
-        for step, name, reward in zip(steps, p.seq_groups, np.asarray(p.rewards, dtype=np.float64).tolist()):
-            rewards.setdefault(f"{step}\x00{name}", []).append(reward)
+        for key, reward in zip(_group_keys(p), np.asarray(p.rewards, dtype=np.float64).tolist()):
+            rewards.setdefault(key, []).append(reward)
     alone = sum(1 for r in rewards.values() if len(r) == 1)
     equal = sum(1 for r in rewards.values() if len(r) > 1 and max(r) == min(r))
     if not alone + equal:
@@ -514,9 +520,7 @@ def group_advantages(packs: list[Pack], eps: float = 1e-6) -> list[Pack]:
             s = int(np.flatnonzero(np.isnan(r))[0])
             raise TreepackError(f"the grpo loss needs a reward for every sequence; sequence {p.seq_ids[s]!r} has none")
         rewards.append(r)
-        names = p.seq_groups if p.seq_groups is not None else [None] * p.n_sequences
-        steps = p.seq_steps.tolist() if p.seq_steps is not None else [None] * p.n_sequences
-        groups.extend(f"{step}\x00{name}" for step, name in zip(steps, names))
+        groups.extend(_group_keys(p))
     reward_S = np.concatenate(rewards)
     _, code_S = np.unique(np.asarray(groups), return_inverse=True)
     count_G = np.bincount(code_S)

@@ -60,7 +60,7 @@ from treepack.train.loop import (
     resolve_precision,
     step_batch,
 )
-from treepack.train.losses import LossRows, Objective, flat_groups_notice, prepare_grpo_data
+from treepack.train.losses import LossRows, Objective, prepare_grpo_data
 from treepack.train.memory_limit import capped, describe_memory_limit
 from treepack.train.modes.dfs import DfsMode, merge_work
 
@@ -129,8 +129,7 @@ def _train(cfg: RunConfig, group: ProcessGroup, packs: list[Pack] | None, log: C
         raise ConfigError("the data section yields no packs")
     flat = None  # a line when some GRPO groups have nothing to learn from
     if cfg.train.loss.kind == "grpo":
-        flat = flat_groups_notice(packs)
-        packs = prepare_grpo_data(packs, cfg.train.loss.kl_coef, where)
+        packs, flat = prepare_grpo_data(packs, cfg.train.loss.kl_coef, where)
     if cfg.data.packs_per_step > len(packs):
         raise ConfigError(f"data.packs_per_step ({cfg.data.packs_per_step}) exceeds the packs in the data "
                           f"({len(packs)})")
