@@ -4,9 +4,9 @@ PY     := $(VENV)/bin/python
 TP     := $(VENV)/bin/treepack
 # The CPU wheel of torch; pinned so that pip never pulls the multi-GB CUDA build on its own.
 TORCH  ?= torch==2.13.0
-SAMPLE := datasets/samples/tau2_think.jsonl.gz
-CHATS  := datasets/samples/tau_bench_chats.json.gz
-CHAT_TOKENIZER := datasets/samples/chat_tokenizer
+SAMPLE := treepack/datasets/samples/tau2_think.jsonl.gz
+CHATS  := treepack/datasets/samples/tau_bench_chats.json.gz
+CHAT_TOKENIZER := treepack/datasets/samples/chat_tokenizer
 
 .PHONY: install demo test bench bench-stats bench-packing bench-tokenize bench-gpu lint clean
 

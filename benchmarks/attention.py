@@ -137,7 +137,7 @@ def workload_subtree_end(name: str, capacity: int, seed: int) -> np.ndarray:
     from treepack.train.data import pack_rollouts
 
     if name == "tau-bench":
-        rollouts = read_rollouts([str(ROOT / "datasets" / "samples" / "tau_bench_slice.parquet")])
+        rollouts = read_rollouts([str(ROOT / "treepack" / "datasets" / "samples" / "tau_bench_slice.parquet")])
     else:
         from treepack.datasets import synth
 

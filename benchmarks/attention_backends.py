@@ -16,7 +16,7 @@ compares, and "vs best dense" is the tree runner's TFLOP/s over the fastest dens
 
 Packs: the first pack treepack packs (at ``--capacity`` tree tokens) from each source:
 ``tau-bench-heldout`` = the tau-bench retail records whose tasks are NOT in the repository's
-``datasets/samples/tau_bench_slice.parquet`` (``--tau-bench``, Parquet or JSONL), ``toolbench``
+``treepack/datasets/samples/tau_bench_slice.parquet`` (``--tau-bench``, Parquet or JSONL), ``toolbench``
 (``--toolbench``), and treepack's synthetic ``tau2``, ``tau2-think``, ``agentic-think``.
 
 ``--grid`` adds the call-shape grid behind ``attention = "auto"`` (`kernels/tree_attention/backends.py`):
@@ -44,7 +44,7 @@ from attention import fwd_bwd, paths_from_subtree_end, varlen_dense, workload_su
 from common import bench_ms, command_line, fa4_version, gpu_line, today, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-SLICE = ROOT / "datasets" / "samples" / "tau_bench_slice.parquet"
+SLICE = ROOT / "treepack" / "datasets" / "samples" / "tau_bench_slice.parquet"
 
 
 def first_pack(path: Path, capacity: int, exclude_slice: bool) -> np.ndarray:
@@ -108,6 +108,7 @@ def largest_first(se_T: np.ndarray) -> np.ndarray:
 
 def run_pack(name: str, se_np: np.ndarray, heads: int, kv_heads: int, dim: int, runners: list[str], rep: dict):
     from torch.nn.attention import SDPBackend
+
     from treepack.kernels import prepare, tree_attention, visible_pairs
 
     dev = torch.device("cuda")
@@ -175,6 +176,7 @@ def run_pack(name: str, se_np: np.ndarray, heads: int, kv_heads: int, dim: int, 
 def run_grid(heads: int, kv_heads: int, dim: int, rep: dict) -> list[dict]:
     """fwd+bwd of one call, fa4 vs triton (and cuDNN SDPA on chains without a prefix), over call shapes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from treepack.kernels import prepare, tree_attention, visible_pairs
 
     dev = torch.device("cuda")

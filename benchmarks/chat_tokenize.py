@@ -56,7 +56,7 @@ def reference(path: Path, recs, tokenizer_dir: Path) -> tuple[float, float, int,
     """apply_chat_template per trained turn: (wall s, CPU s, records compared, records that differ)."""
     from transformers import AutoTokenizer
 
-    from treepack.io.chats import conversations_of, file_stem, iter_raw
+    from treepack.chat.conversations import conversations_of, file_stem, iter_raw
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     index = {rid: i for i, rid in enumerate(recs.fresh.ids)}
@@ -88,8 +88,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / f"{today()}-tokenize.md")
     args = ap.parse_args(argv)
     tokenizer_dir = args.data / "tokenizer" / "qwen3"
-    from treepack.io.chat_rollouts import tokenize_chats
-    from treepack.io.chat_template import ChatTokenizer
+    from treepack.chat.template import ChatTokenizer
+    from treepack.chat.turns import tokenize_chats
 
     load0 = os.getloadavg()[0]
     rows, totals = [], {"tokens": 0, "ours": 0.0, "ref": 0.0, "ours_cpu": 0.0, "ref_cpu": 0.0}

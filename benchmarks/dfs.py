@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, gpu_line, one_forest, ratio, today
 
-SAMPLE = ROOT / "datasets" / "samples" / "tau_bench_slice.parquet"
+SAMPLE = ROOT / "treepack" / "datasets" / "samples" / "tau_bench_slice.parquet"
 WORKLOADS = ("tau-bench", "tau2-fits", "tau2-split", "tau2-think")
 MODES = ("dfs", "tree", "dense", "dense-leaf")
 # AReaL-DTA's code on tau-bench 144 records, measured on an H200 (issue 6): block 2048 and block 4096

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, cpu_line, gpu_line, today, write_report
 
-SAMPLE = ROOT / "datasets" / "samples" / "tau_bench_slice.parquet"
+SAMPLE = ROOT / "treepack" / "datasets" / "samples" / "tau_bench_slice.parquet"
 
 CONFIG = """\
 [model]

@@ -54,6 +54,7 @@ def layout_subtree_end(pack, order: str) -> np.ndarray:
 def block_counts(subtree_end_T: np.ndarray) -> tuple[int, int]:
     """(partial, full) blocks of FA4's forward block lists for this pack."""
     import torch
+
     from treepack.kernels.tree_attention.fa4 import fa4_tables
 
     tables = fa4_tables(torch.as_tensor(subtree_end_T.astype(np.int32)))

@@ -29,8 +29,8 @@ def kernel_ms(step, tokens: int, prefix: int, visible: int | None, order: int, r
     """(forward, backward) ms of FA4's main kernels per call: ``step`` padded to ``tokens`` over ``prefix`` cached
     rows of which the first ``visible`` are seen (None: all)."""
     import torch
-    from treepack.kernels.tree_attention import fa4
 
+    from treepack.kernels.tree_attention import fa4
     from treepack.train.modes.dfs_graphs import padded_inputs
 
     dev = torch.device("cuda")
@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     import dfs as bench
-    from treepack.kernels.tree_attention import fa4
 
+    from treepack.kernels.tree_attention import fa4
     from treepack.train.modes.dfs import DfsMode
     from treepack.train.modes.dfs_graphs import padded_inputs, rounded
 

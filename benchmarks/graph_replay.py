@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     import torch
+
     from treepack.kernels import tree_attention
     from treepack.kernels.tree_attention import fa4
 

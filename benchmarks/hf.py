@@ -52,7 +52,7 @@ def agreement_workload(tiny: bool) -> Workload:
     """A few real tau-bench records (one task's first turns: a chain of growing prefixes) as one pack."""
     from treepack.io.ingest import read_rollouts
 
-    tb = read_rollouts([str(ROOT / "datasets/samples/tau_bench_slice.parquet")])
+    tb = read_rollouts([str(ROOT / "treepack/datasets/samples/tau_bench_slice.parquet")])
     lengths = tb.lengths
     idx = [i for i in range(len(tb)) if tb.groups[i] == 0]
     keep, total = [], 0
@@ -69,13 +69,13 @@ def load_workloads(tiny: bool, small: bool = False) -> list[Workload]:
     from treepack.io.ingest import read_rollouts
 
     out = []
-    tb = read_rollouts([str(ROOT / "datasets/samples/tau_bench_slice.parquet")])
+    tb = read_rollouts([str(ROOT / "treepack/datasets/samples/tau_bench_slice.parquet")])
     tasks = 1 if tiny or small else 3
     idx = np.flatnonzero(tb.groups < tasks)
     if tiny:
         idx = idx[:6]
     out.append(Workload("tau-bench", tb.select(idx), f"real tau-bench retail rollouts, first {tasks} tasks"))
-    gm = read_rollouts([str(ROOT / "datasets/samples/grpo_math.jsonl.gz")])
+    gm = read_rollouts([str(ROOT / "treepack/datasets/samples/grpo_math.jsonl.gz")])
     answers = 4 if tiny else 8 if small else 16
     out.append(Workload("grpo-math", gm.select(np.arange(answers)), f"synthetic math GRPO: one problem x {answers} answers"))
     if tiny:  # keep the smoke run small: crop every sequence
@@ -388,9 +388,8 @@ def paths_check(dev) -> list[str]:
         lp = max(float((t.detach() - r.detach()).abs().max()) for t, r in zip(tree, ref))
         g = max(float((g_tree[n] - p.grad).abs().max()) / max(float(p.grad.abs().max()), 1e-12)
                 for n, p in model.named_parameters())
-        from treepack.kernels.tree_attention.api import triton_unsupported_reason
-
         from treepack.hf.forward import prepare_model
+        from treepack.kernels.tree_attention.api import triton_unsupported_reason
 
         q = torch.zeros(1, 4, 64, device=dev)
         backend = ("reference" if dev.type != "cuda" or "gemma2" in label else  # float32 soft-cap: reference
@@ -441,7 +440,7 @@ def main(argv=None) -> int:
              f"- command: `{command_line(__file__, argv)}`",
              f"- model: random-init Qwen3 {shape}, float32 weights" + (", bf16 autocast" if dev.type == "cuda" else ""),
              "- workloads: " + "; ".join(f"{w.name}: {w.note}" for w in workloads)
-             + " (datasets/samples/tau_bench_slice.parquet, datasets/samples/grpo_math.jsonl.gz)", ""]
+             + " (treepack/datasets/samples/tau_bench_slice.parquet, treepack/datasets/samples/grpo_math.jsonl.gz)", ""]
     print("\n".join(lines), flush=True)
     low = torch.bfloat16 if dev.type == "cuda" else torch.float32
     sections = set(args.sections.split(","))

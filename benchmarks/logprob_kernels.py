@@ -16,13 +16,13 @@ import argparse
 
 import torch
 from common import events_ms
+
 from treepack.kernels.logprobs import (
     grad_logits_reference_,
     grad_logits_triton_,
     lse_and_logprob_reference,
     lse_and_logprob_triton,
 )
-
 from treepack.train.compiled import pick
 
 

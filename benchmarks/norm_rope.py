@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 from common import command_line, gpu_line, kernel_ms, today, write_report
+
 from treepack.kernels.norm_rope import op
 from treepack.kernels.norm_rope import triton as kernels
 from treepack.kernels.norm_rope.reference import norm_rope_reference
-
 from treepack.train.compiled import pick
 
 

@@ -39,12 +39,11 @@ SYNTH = (
     ("low-overlap", "low-overlap", 6000, {}),
 )
 DEFAULT_REAL = ROOT.parent / "shared" / "data" / "rollouts"
-BUNDLED_REAL = ROOT / "datasets" / "samples" / "tau_bench_slice.parquet"
+BUNDLED_REAL = ROOT / "treepack" / "datasets" / "samples" / "tau_bench_slice.parquet"
 
 
 def load_synth(kind: str, n: int, overrides: dict, tmp: Path, seed: int = 0):
     from treepack.datasets import synth
-
     from treepack.io.ingest import read_rollouts
 
     path = tmp / f"{kind}-{n}-{'-'.join(overrides)}.parquet"
@@ -146,7 +145,6 @@ def random_tree_gaps(trials: int = 300, seed: int = 0) -> dict:
 def big_timing(kind: str, overrides: dict, tokens: int, tmp: Path) -> dict:
     """Tree build + each strategy at 60k on ~``tokens`` tokens of a synth kind (read time reported apart)."""
     from treepack.datasets import synth
-
     from treepack.io.ingest import read_rollouts
     from treepack.pack.strategies import pack_sequences
     from treepack.tree import PrefixTree

@@ -103,7 +103,7 @@ from train_step_report import (
     summary,
 )
 
-TAU_BENCH = ROOT / "datasets" / "samples" / "tau_bench_slice.parquet"
+TAU_BENCH = ROOT / "treepack" / "datasets" / "samples" / "tau_bench_slice.parquet"
 
 
 def _import_treepack() -> None:
@@ -143,7 +143,7 @@ MODELS = {  # Qwen3 shapes from the Hugging Face config.json files (tied embeddi
              "head_dim": 16},
 }
 WORKLOADS = {
-    "tau-bench": "real: the first --tau-records records of datasets/samples/tau_bench_slice.parquet "
+    "tau-bench": "real: the first --tau-records records of treepack/datasets/samples/tau_bench_slice.parquet "
                  "(tau-bench retail, agent and user grok-3, Qwen3 tokens)",
     "toolbench": "real: the --toolbench rollouts (ToolBench DFSDT answer trees, Qwen3 tokens), whole file",
     "tau2-think": "synthetic: treepack synth tau2 --think -n N (seed 0)",
@@ -167,6 +167,7 @@ def load_workload(name: str, args: argparse.Namespace) -> Rollouts:
     if name == "toolbench":
         return one_forest(read_rollouts([str(args.toolbench)]), args.seed)
     import pyarrow.parquet as pq
+
     from treepack.datasets import synth
 
     kind, overrides = {"tau2-think": ("tau2", {"think": True}),

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treepack.cli.app import app
 from typer.testing import CliRunner
+
+from treepack.cli.app import app
 
 
 @dataclass

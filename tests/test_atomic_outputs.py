@@ -19,7 +19,8 @@ import pytest
 from chat_testing import THINK, build_tokenizer
 from cli_helpers import run
 
-from treepack.io import chat_rollouts, records
+from treepack.chat import turns as chat_rollouts
+from treepack.io import records
 from treepack.io.atomic import atomic_dir, atomic_file
 from treepack.io.ingest import read_rollouts
 from treepack.pack import shards

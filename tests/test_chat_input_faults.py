@@ -12,8 +12,8 @@ import pytest
 from chat_testing import THINK, build_tokenizer
 from cli_helpers import run
 
+from treepack.chat.conversations import iter_raw
 from treepack.errors import InputError
-from treepack.io.chats import iter_raw
 
 CONV = [{"role": "system", "content": "help"}, {"role": "user", "content": "where is my order"},
         {"role": "assistant", "content": "let me look"}, {"role": "user", "content": "thanks"}]

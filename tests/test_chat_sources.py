@@ -1,5 +1,5 @@
 """Published raw layouts read as they come: ToolBench answer trees, Anthropic hh-rlhf dialogue text, GSM8K model
-solutions (`treepack.io.chat_sources`, wired into `treepack.io.chats.conversations_of`).
+solutions (`treepack.chat.sources`, wired into `treepack.chat.conversations.conversations_of`).
 
 Small records written here check the conversion field by field; on the real files next to the repository,
 ``treepack tokenize`` of a raw file gives the same token records as of the file `treepack.datasets.chats`
@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 from chat_testing import QWEN3
 from cli_helpers import run
-from treepack.datasets import chats as converters
 
-from treepack.io.chats import RecordError, conversations_of
+from treepack.chat.conversations import RecordError, conversations_of
+from treepack.datasets import chats as converters
 
 RAW = Path(__file__).resolve().parents[2] / "shared" / "data" / "raw"
 

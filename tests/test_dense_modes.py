@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import rollouts_from, sequence_lists
 from test_equivalence import OBJECTIVES, VOCAB, make_pack, random_sequences, rel_diffs, run
-from treepack.layout import build_pack
 
 from treepack.errors import ConfigError, TreepackError
+from treepack.pack.layout import build_pack
 from treepack.stats import ModelShape
 from treepack.train.data import plan_dense
 from treepack.train.losses import BatchTotals, LossRows, Objective

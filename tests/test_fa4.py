@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tree_attention import make_qkv, random_subtree_end
+
 from treepack.kernels import tree_attention
 from treepack.kernels.tree_attention import backends, fa4
 from treepack.kernels.tree_attention.blocks import tree_mask, visible_pairs

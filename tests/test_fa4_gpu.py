@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_equivalence import make_pack, random_sequences
 from test_tree_attention import chains_subtree_end, make_qkv, random_subtree_end, star_subtree_end
+
 from treepack.kernels import prepare, tree_attention
 from treepack.kernels.tree_attention.reference import tree_attention_reference
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from treepack.kernels.tree_attention.fa4_replay import LaunchReplay
 
 

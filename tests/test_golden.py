@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_stats_json_matches_golden():
-    r = run("stats", ROOT / "datasets" / "samples" / "tau2_think.jsonl.gz", "--json", "--group-by", "tree_id")
+    r = run("stats", ROOT / "treepack" / "datasets" / "samples" / "tau2_think.jsonl.gz", "--json", "--group-by", "tree_id")
     assert r.code == 0, r.err
     golden = json.loads((ROOT / "tests" / "golden" / "stats_tau2_think.json").read_text())
     assert json.loads(r.out) == golden

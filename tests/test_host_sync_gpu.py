@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 from test_equivalence import make_pack, random_sequences
-from treepack.kernels import prepare, tree_attention
 
+from treepack.kernels import prepare, tree_attention
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes.dfs import DfsMode, _Traversal

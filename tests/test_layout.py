@@ -1,9 +1,9 @@
 """The package layout as a contract: stages follow the data flow, no import circles, no oversized modules.
 
-Every ``import`` in treepack/, kernels/, cli/ and datasets/ (module level or inside functions) is read with
-``ast`` and resolved to the installed name (``cli/x.py`` is ``treepack.cli.x``). A module may import only its
-own stage or lower ones: base (errors, sizes) < io, datasets < tree, stats < pack, kernels < train, hf <
-viz < cli. Importing a package's ``__init__`` counts as an edge to that package.
+Every ``import`` under treepack/ (module level or inside functions) is read with ``ast``; the folder tree is
+the import tree (``treepack/cli/x.py`` is ``treepack.cli.x``). A module may import its own package, lower
+stages, and the packages of its own stage that `SAME_STAGE` declares (docs/design.md §2): base (errors,
+sizes) < io, chat, datasets < tree, stats < pack, kernels < train, hf < viz < cli.
 """
 
 from __future__ import annotations
@@ -15,33 +15,41 @@ import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"treepack": "treepack", "cli": "treepack.cli", "kernels": "treepack.kernels", "datasets": "treepack.datasets"}
 MAX_LINES = 600  # a module past this has a seam to split at (the house style aims at 100-500)
 
 # (prefix, stage): the longest matching prefix decides; a module may import stages <= its own.
 STAGES = [
     ("treepack", 0), ("treepack.errors", 0), ("treepack.sizes", 0),
-    ("treepack.io", 1), ("treepack.datasets", 1),
+    ("treepack.io", 1), ("treepack.chat", 1), ("treepack.datasets", 1),
     ("treepack.tree", 2), ("treepack.stats", 2),
     ("treepack.pack", 3), ("treepack.kernels", 3),
     ("treepack.train", 4), ("treepack.hf", 4),
     ("treepack.viz", 5),
     ("treepack.cli", 6), ("treepack.__main__", 6),
 ]
+# The only imports allowed between different packages of one stage (importer -> imported): one direction
+# each, so a stage's packages never lean on each other both ways. ``hf`` builds on ``train``'s losses,
+# modes and model source registry; ``train`` reaches transformers' models only through that registry.
+SAME_STAGE = {
+    ("treepack.chat", "treepack.io"), ("treepack.datasets", "treepack.io"), ("treepack.datasets", "treepack.chat"),
+    ("treepack.stats", "treepack.tree"),
+    ("treepack.hf", "treepack.train"), ("treepack.__main__", "treepack.cli"),
+}
+
+
+def stage_prefix(module: str) -> str:
+    return max((p for p, _ in STAGES if module == p or module.startswith(p + ".")), key=len)
 
 
 def stage_of(module: str) -> int:
-    best = max((p for p, _ in STAGES if module == p or module.startswith(p + ".")), key=len)
-    return dict(STAGES)[best]
+    return dict(STAGES)[stage_prefix(module)]
 
 
 def source_modules() -> dict[str, Path]:
     out = {}
-    for folder, package in FOLDERS.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            rel = path.relative_to(ROOT / folder).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            out[".".join([package, *parts])] = path
+    for path in sorted((ROOT / "treepack").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        out[".".join(p for p in rel.parts if p != "__init__")] = path
     return out
 
 
@@ -81,7 +89,8 @@ def graph() -> nx.DiGraph:
 
 
 def test_the_walk_sees_the_package(graph):
-    assert {"treepack.io.ingest", "treepack.pack.strategies", "treepack.cli.app", "treepack.kernels.tree_attention.api"} <= set(graph)
+    assert {"treepack.io.ingest", "treepack.pack.strategies", "treepack.cli.app", "treepack.kernels.tree_attention.api",
+            "treepack.chat.turns", "treepack.datasets.synth"} <= set(graph)
     assert graph.has_edge("treepack.pack.shards", "treepack.io.rollouts")
     assert graph.has_edge("treepack.kernels.tree_attention.api", "treepack.kernels.tree_attention.blocks")  # relative
 
@@ -94,6 +103,15 @@ def test_no_import_circles(graph):
 def test_lower_stages_never_import_higher_ones(graph):
     upward = [f"{a} -> {b}" for a, b in graph.edges if stage_of(b) > stage_of(a)]
     assert not upward, "upward imports:\n" + "\n".join(sorted(upward))
+
+
+def test_packages_of_one_stage_import_each_other_only_as_declared(graph):
+    sideways = sorted({
+        f"{stage_prefix(a)} -> {stage_prefix(b)} ({a} -> {b})" for a, b in graph.edges
+        if stage_of(a) == stage_of(b) and stage_of(a) > 0 and stage_prefix(a) != stage_prefix(b)
+        and (stage_prefix(a), stage_prefix(b)) not in SAME_STAGE
+    })
+    assert not sideways, "undeclared imports within a stage:\n" + "\n".join(sideways)
 
 
 def test_data_path_needs_no_torch():
@@ -120,26 +138,6 @@ def test_every_subpackage_says_what_it_owns():
         if path.name == "__init__.py":
             doc = ast.get_docstring(ast.parse(path.read_text()))
             assert doc and len(doc) > 40, f"{name}: __init__.py needs a docstring saying what the package owns"
-
-
-@pytest.mark.parametrize("old, new", [
-    ("treepack.rollouts", "treepack.io"), ("treepack.ingest", "treepack.io.ingest"),
-    ("treepack.packing", "treepack.pack.strategies"), ("treepack.shards", "treepack.pack"),
-    ("treepack.layout", "treepack.pack.layout"), ("treepack.balance", "treepack.pack.balance"),
-])
-def test_old_import_paths_are_the_new_modules(old, new):
-    import importlib
-
-    assert importlib.import_module(old) is importlib.import_module(new)
-
-
-def test_old_public_names_still_import():
-    from treepack.packing import BEST_EXACT_BUDGET, STRATEGIES, pack_sequences  # noqa: F401
-    from treepack.rollouts import Rollouts, iter_records, read_rollouts, to_arrow  # noqa: F401
-    from treepack.shards import read_manifest, read_packs, unpack, write_shards  # noqa: F401
-
-    from treepack.stats import compute_stats  # noqa: F401
-    from treepack.tree import PrefixTree  # noqa: F401
 
 
 def test_readme_file_tree_names_every_module():

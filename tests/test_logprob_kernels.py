@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from interpreter import run_interpreted
+
 from treepack.kernels.logprobs import (
     grad_logits_reference_,
     grad_logits_triton_,

@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from interpreter import run_interpreted
+
 from treepack.kernels.norm_rope import (
     norm_rope,
     norm_rope_bwd_triton,
@@ -190,7 +191,6 @@ def test_decoder_with_fused_kernels_matches_the_reference(compile_mode, attentio
     (compiled by Inductor, or eager; around SDPA, or inside the whole-layer graph of the Triton tree kernel):
     equal within bf16 rounding."""
     from treepack.kernels.norm_rope import op
-
     from treepack.train.attention import AttentionContext
     from treepack.train.model import Decoder, ModelArgs
 

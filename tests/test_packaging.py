@@ -4,6 +4,9 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BLOCK_TORCH = textwrap.dedent(
     """
@@ -36,6 +39,19 @@ def test_no_top_level_cli_kernels_datasets(tmp_path):
     out = run_py(code, tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_the_repository_root_shadows_no_package():
+    """Run from a checkout's root (sys.path[0] == ''), Python must find no module of ours but ``treepack``: a
+    top-level ``datasets/`` once hid Hugging Face's package (``import trl`` failed there)."""
+    ours = sorted(p.name for p in ROOT.iterdir()
+                  if (p.is_dir() and (p / "__init__.py").exists()) or (p.is_file() and p.suffix == ".py"))
+    assert ours in (["treepack"], ["tests", "treepack"]), ours
+    code = ("import importlib.util as u; s = u.find_spec('datasets'); "
+            "print('none' if s is None else s.origin)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert str(ROOT) not in out.stdout, out.stdout
 
 
 def test_stats_runs_without_torch(tmp_path):

@@ -22,7 +22,7 @@ from treepack.tree import PrefixTree
 
 # the real rollouts (tau-bench, ToolBench, GSM8K, hh-rlhf) next to the repository, and the bundled tau-bench slice
 REAL = sorted((Path(__file__).resolve().parents[2] / "shared" / "data" / "rollouts").glob("*.parquet")) + sorted(
-    (Path(__file__).resolve().parents[1] / "datasets" / "samples").glob("*.parquet"))
+    (Path(__file__).resolve().parents[1] / "treepack" / "datasets" / "samples").glob("*.parquet"))
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

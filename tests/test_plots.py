@@ -22,7 +22,7 @@ from treepack.tree import PrefixTree
 from treepack.viz import curves, plots, tree_figure
 from treepack.viz.report import build_report, compare_strategies
 
-SAMPLE_DIR = Path(__file__).resolve().parents[1] / "datasets" / "samples"
+SAMPLE_DIR = Path(__file__).resolve().parents[1] / "treepack" / "datasets" / "samples"
 SAMPLES = sorted([*SAMPLE_DIR.glob("*.jsonl.gz"), *SAMPLE_DIR.glob("*.parquet")])
 DPI = 30
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -102,7 +102,7 @@ def test_ten_thousand_sequences_render(big, kind, tmp_path):
     render_ok(plots.figure(kind, r, tree=tree, packing=packing), tmp_path, kind)
 
 
-@pytest.mark.skipif(not SAMPLES, reason="no bundled samples in datasets/samples")
+@pytest.mark.skipif(not SAMPLES, reason="no bundled samples in treepack/datasets/samples")
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
 def test_bundled_samples_render(sample, tmp_path):
     r = read_rollouts([sample])

@@ -63,7 +63,7 @@ def test_aliases_defaults_and_tokens_field(tmp_path):
 
 def test_stdin(tmp_path):
     path = write_jsonl(tmp_path / "r.jsonl", GOOD)
-    code = "from treepack.rollouts import read_rollouts; r = read_rollouts('-'); print(len(r), r.n_tokens)"
+    code = "from treepack.io import read_rollouts; r = read_rollouts('-'); print(len(r), r.n_tokens)"
     with open(path) as stdin:
         out = subprocess.run([sys.executable, "-c", code], stdin=stdin, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["3", "7"]

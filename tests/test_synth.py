@@ -19,10 +19,10 @@ from cli_helpers import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import naive_stats
+
 from treepack.datasets import SAMPLES_DIR, LogNormal, generate, iter_batches, preset
 from treepack.datasets.synth import KINDS, trees_per_chunk
 from treepack.datasets.vocab import QWEN3_VOCAB, Vocab
-
 from treepack.errors import ConfigError
 
 IM_START, ASSISTANT = 151644, 77091

@@ -12,8 +12,8 @@ from chat_testing import CHATML, QWEN3, THINK, build_tokenizer, conversations, r
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treepack.io.chat_rollouts import ChatOptions, tokenize_chats
-from treepack.io.chat_template import ChatTokenizer
+from treepack.chat.template import ChatTokenizer
+from treepack.chat.turns import ChatOptions, tokenize_chats
 
 pytest.importorskip("transformers")
 FAST = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))

@@ -17,7 +17,7 @@ import pytest
 from chat_testing import CHATML, THINK, build_tokenizer, reference_records
 from cli_helpers import run
 
-from treepack.io.chat_rollouts import tokenize_chats
+from treepack.chat.turns import tokenize_chats
 from treepack.io.ingest import read_rollouts
 from treepack.pack.shard_reader import read_manifest
 
@@ -285,13 +285,14 @@ def test_a_consistent_template_gives_identical_fresh_and_keep_prefix_files(tmp_p
 
 def test_bundled_chat_sample_regenerates_byte_for_byte(tmp_path):
     from chat_testing import QWEN3
+
     from treepack.datasets.chat_sample import main
 
     raw = sorted((QWEN3.parents[1] / "raw" / "tau_bench_grok3_retail").glob("*.json"))
     if not QWEN3.is_dir() or not raw:
         pytest.skip("tau-bench results and the Qwen3 tokenizer are not next to the repository")
     main([str(raw[0]), str(QWEN3), str(tmp_path)])
-    samples = ROOT / "datasets" / "samples"
+    samples = ROOT / "treepack" / "datasets" / "samples"
     for name in ("tau_bench_chats.json.gz", "chat_tokenizer/tokenizer.json", "chat_tokenizer/tokenizer_config.json"):
         assert (tmp_path / name).read_bytes() == (samples / name).read_bytes(), name
     res = run("tokenize", samples / "tau_bench_chats.json.gz", "--tokenizer", samples / "chat_tokenizer", "--json", "-q")
@@ -333,7 +334,7 @@ def test_pack_with_a_tokenizer_keeps_every_field_tokenize_writes(tok_dir, tmp_pa
 # --------------------------------------------------------------------------------------------------
 # tokenize's rendering options on every command with --tokenizer: the same records as tokenize writes
 
-SAMPLES = ROOT / "datasets" / "samples"
+SAMPLES = ROOT / "treepack" / "datasets" / "samples"
 CHAT_SAMPLE, CHAT_TOKENIZER = SAMPLES / "tau_bench_chats.json.gz", SAMPLES / "chat_tokenizer"
 DEFAULTS = {"sample": (124, 519_380, 18_619), "thinking": (124, 523_380, 20_123)}  # tokenize's, no options
 RENDERINGS = [  # (input, options, tokenize's (records, n_tokens, n_trained_tokens) with them)
@@ -439,6 +440,7 @@ def test_template_args_parse_as_json_and_python_spellings():
 ])
 def test_a_bad_template_arg_is_a_usage_error_naming_the_problem(value, message):
     import typer
+
     from treepack.cli.chat_inputs import template_args
 
     with pytest.raises(typer.BadParameter) as info:

@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+
 from treepack.kernels import chains_subtree_end, prepare, tree_attention, tree_mask, visible_pairs
 from treepack.kernels.tree_attention.reference import tree_attention_reference
 
@@ -546,8 +547,9 @@ def _interpreter_checks() -> None:
 
 def test_pinned_launch_falls_back_to_fewer_stages():
     pytest.importorskip("triton", reason="triton is not installed")
-    from treepack.kernels.tree_attention import triton as tri
     from triton.runtime.errors import OutOfResources
+
+    from treepack.kernels.tree_attention import triton as tri
 
     calls = []
 
@@ -645,6 +647,7 @@ def test_kernel_ops_count_the_causal_bound_of_flops(prefix):
     pytest.importorskip("triton", reason="triton is not installed")
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
+
     from treepack.kernels.tree_attention import triton as _registers_the_ops  # noqa: F401
     from treepack.kernels.tree_attention.ops import causal_pairs_bound
 

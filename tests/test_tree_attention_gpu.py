@@ -23,6 +23,7 @@ from test_tree_attention import (
     random_subtree_end,
     star_subtree_end,
 )
+
 from treepack.kernels import prepare, tree_attention
 from treepack.kernels.tree_attention.reference import tree_attention_reference
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import treepack.cli.verify as verify_cli
 from cli_helpers import run
-from treepack.cli.pack import pack as pack_command
 
+import treepack.cli.verify as verify_cli
 import treepack.train.verify as verify_lib
+from treepack.cli.pack import pack as pack_command
 from treepack.train.data import pack_rollouts, read_rollout_files
 
 VERIFY_USAGE = "Usage: treepack verify [OPTIONS] {SHARDS_DIR}...\nTry 'treepack verify --help' for help.\n\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+
 from treepack.cli.common import Render, check_choice, console, handle_errors, nothing_read
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
@@ -16,7 +17,6 @@ from treepack.cli.inputs import (
     report_skipped_records,
     size_option,
 )
-
 from treepack.pack.strategies import OVERSIZE
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES
 from treepack.viz.options import DEFAULT_DPI, REPORT_DPI

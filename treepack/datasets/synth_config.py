@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from treepack.datasets.vocab import QWEN3_VOCAB, Vocab
 
+from treepack.datasets.vocab import QWEN3_VOCAB, Vocab
 from treepack.errors import ConfigError
 
 KINDS = ("tau2", "grpo-math", "agentic-think", "low-overlap")

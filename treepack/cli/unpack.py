@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from treepack.cli.common import check_stdout, err_console, handle_errors, whole_stdout_writes
 
+from treepack.cli.common import check_stdout, err_console, handle_errors, whole_stdout_writes
 from treepack.io.records import write_rollouts
 from treepack.pack.shard_reader import pack_dir_of, read_inputs, read_manifest
 

@@ -12,6 +12,7 @@ from enum import Enum
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from treepack.cli.common import (
     check_output_path,
     check_stdout,
@@ -21,7 +22,6 @@ from treepack.cli.common import (
 )
 from treepack.datasets import synth as lib
 from treepack.datasets.writer import output_format
-
 from treepack.errors import TreepackError
 from treepack.sizes import parse_size
 

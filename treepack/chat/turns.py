@@ -10,7 +10,7 @@ as a `Rollouts` batch (what ``stats``, ``pack``, ``plot`` and ``report`` take) o
 Options are the usual choices: every assistant turn or the last only, earlier reasoning as the template
 renders it or dropped, or kept exactly as generated (``keep``: each turn extends the previous turn's
 tokens, the same as ``keep_prefix_tokens``), system messages and tool schemas in or out. The drift analysis
-(`treepack.io.drift`) runs on every conversation; its consistent records are built only when they are
+(`treepack.chat.drift`) runs on every conversation; its consistent records are built only when they are
 wanted (``keep_prefix_tokens``, or ``consistent=True`` to measure the if-consistent POR).
 """
 
@@ -30,10 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from treepack.errors import ConfigError, InputError
-from treepack.io.atomic import atomic_file
-from treepack.io.chat_template import ChatTemplateError, ChatTokenizer
-from treepack.io.chats import (
+from treepack.chat.conversations import (
     CHAT_SUFFIXES,
     Conversation,
     RecordError,
@@ -42,7 +39,10 @@ from treepack.io.chats import (
     is_parquet,
     iter_raw,
 )
-from treepack.io.drift import DriftStats, analyse
+from treepack.chat.drift import DriftStats, analyse
+from treepack.chat.template import ChatTemplateError, ChatTokenizer
+from treepack.errors import ConfigError, InputError
+from treepack.io.atomic import atomic_file
 from treepack.io.rollouts import Rollouts, Source
 
 TURNS = ("all", "last")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+
 from treepack.cli.common import Render, check_choice, console, err_console, handle_errors, nothing_read
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
@@ -17,7 +18,6 @@ from treepack.cli.inputs import (
     report_skipped_records,
     size_option,
 )
-
 from treepack.pack.strategies import OVERSIZE, STRATEGIES, pack_sequences
 from treepack.tree import PrefixTree
 from treepack.viz.options import DEFAULT_DPI, FORMATS, KINDS, MAX_TREE_NODES

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import typer
-from treepack.cli.common import check_choice, console, fail, handle_errors
 
+from treepack.cli.common import check_choice, console, fail, handle_errors
 from treepack.errors import TreepackError
 
 ERROR_GRACE_S = 5.0

@@ -1,14 +1,14 @@
 """The bundled chat sample and the small tokenizer the demo renders it with.
 
-``datasets/samples/tau_bench_chats.json.gz`` is the first conversations of a tau-bench results file, byte for
-byte as JSON (the array form ``treepack tokenize`` reads). ``datasets/samples/chat_tokenizer/`` is a byte-level
+``treepack/datasets/samples/tau_bench_chats.json.gz`` is the first conversations of a tau-bench results file, byte for
+byte as JSON (the array form ``treepack tokenize`` reads). ``treepack/datasets/samples/chat_tokenizer/`` is a byte-level
 BPE trained on that sample's own text (4,096 tokens: small enough to commit, ~200 kB) with Qwen3's special
 tokens and Qwen3's chat template, so the demo shows Qwen3's drift (the empty ``<think>`` block of the last
 turn) without the 11 MB Qwen3 tokenizer. Token ids are not Qwen3's: use your model's tokenizer directory for
 real data. Regenerate with::
 
     python -m treepack.datasets.chat_sample ../shared/data/raw/tau_bench_grok3_retail/<file>.json \\
-        ../shared/data/tokenizer/qwen3 datasets/samples
+        ../shared/data/tokenizer/qwen3 treepack/datasets/samples
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+
 from treepack.cli.common import (
     Render,
     check_choice,
@@ -28,7 +29,6 @@ from treepack.cli.inputs import (
     report_skipped_records,
     size_option,
 )
-
 from treepack.errors import InputError, TreepackError
 from treepack.pack.balance import BALANCE_COSTS
 from treepack.pack.shards import DEFAULT_SHARD_SIZE, check_output_dir, parse_shard_size, write_shards

@@ -15,9 +15,8 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from treepack.cli.common import Render, check_choice, console, err_console
 
-from treepack.io.chat_rollouts import (
+from treepack.chat.turns import (
     REASONING,
     TURNS,
     ChatOptions,
@@ -25,6 +24,7 @@ from treepack.io.chat_rollouts import (
     expand_chat_paths,
     tokenize_chats,
 )
+from treepack.cli.common import Render, check_choice, console, err_console
 from treepack.io.rollouts import Rollouts
 
 PROGRESS_MIN_BYTES = 1 << 20  # chat input renders at ~1-3 MB/s: show a bar from 1 MB on

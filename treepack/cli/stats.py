@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
+
 from treepack.cli.common import Render, check_choice, console, err_console, handle_errors, nothing_read
 from treepack.cli.inputs import (
     KEEP_PREFIX_HELP,
@@ -17,7 +18,6 @@ from treepack.cli.inputs import (
     report_oversize,
     size_option,
 )
-
 from treepack.errors import TreepackError
 from treepack.io.rollouts import Rollouts
 from treepack.pack.shard_reader import pack_dir_of

@@ -1,4 +1,4 @@
-"""Well-known raw dataset layouts as chat records (the forms `treepack.io.chats` reads), so that
+"""Well-known raw dataset layouts as chat records (the forms `treepack.chat.conversations` reads), so that
 ``treepack tokenize`` / ``stats --tokenizer`` take them as they are published:
 
 - ToolBench DFSDT answer trees (``G*_answer/*.json``, ``{"answer_generation", "tree", ...}``): every

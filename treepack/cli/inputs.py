@@ -9,8 +9,8 @@ import os
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-from treepack.cli.common import CHAT_OPTIONS, err_console
 
+from treepack.cli.common import CHAT_OPTIONS, err_console
 from treepack.errors import TreepackError
 from treepack.io.ingest import expand_paths
 from treepack.io.rollouts import Rollouts

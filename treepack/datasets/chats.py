@@ -1,5 +1,5 @@
 """Converters: the raw real-data sources of ``../shared/data/raw`` as chat-record files (the benchmarks'
-inputs). ``treepack tokenize`` also reads these sources as they come (`treepack.io.chat_sources`, which
+inputs). ``treepack tokenize`` also reads these sources as they come (`treepack.chat.sources`, which
 does the conversion of one record here too); tau-bench result files need no conversion at all. Sources:
 - ToolBench DFSDT answer trees (``G*_answer/*.json``): every root-to-leaf path of the search tree is one
   conversation (system prompt and query from ``answer_generation.train_messages``, tool schemas from
@@ -18,7 +18,7 @@ import gzip
 import json
 from pathlib import Path
 
-from treepack.io.chat_sources import gsm8k_solutions, hh_preference, toolbench_paths
+from treepack.chat.sources import gsm8k_solutions, hh_preference, toolbench_paths
 
 
 def toolbench_records(path: str | Path) -> list[dict]:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
+
+from treepack.chat.turns import ChatOptions, ChatRecords, write_chat_records
 from treepack.cli.chat_inputs import (
     chat_options,
     drift_summary,
@@ -32,9 +34,7 @@ from treepack.cli.common import (
     nothing_read,
 )
 from treepack.cli.inputs import report_skipped_records
-
 from treepack.errors import TreepackError
-from treepack.io.chat_rollouts import ChatOptions, ChatRecords, write_chat_records
 
 OUTPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
@@ -148,9 +148,9 @@ def check_with_transformers(paths, tokenizer_dir, options: ChatOptions, recs: Ch
         from transformers import AutoTokenizer
     except ImportError:
         raise TreepackError("--verify needs transformers: pip install transformers") from None
-    from treepack.io.chat_rollouts import expand_chat_paths
-    from treepack.io.chat_template import without_reasoning
-    from treepack.io.chats import RecordError, conversations_of, file_stem, iter_raw
+    from treepack.chat.conversations import RecordError, conversations_of, file_stem, iter_raw
+    from treepack.chat.template import without_reasoning
+    from treepack.chat.turns import expand_chat_paths
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     index = {rid: i for i, rid in enumerate(recs.fresh.ids)}

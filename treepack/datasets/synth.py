@@ -59,10 +59,10 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from treepack.datasets.synth_config import KINDS, LogNormal, SynthConfig, configure, preset  # noqa: F401 (re-exported)
 from treepack.datasets.vocab import Vocab
 from treepack.datasets.writer import RolloutWriter
-
 from treepack.errors import ConfigError
 
 _CHUNK_TOKENS = 1 << 23  # target flat tokens per chunk: bounds streaming memory (~18 bytes/token)

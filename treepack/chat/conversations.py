@@ -14,7 +14,7 @@ damaged or cut short is one error line naming it and the line where it broke (`t
   as the benchmarks write them. tau2 keeps neither the agent's system prompt nor the tool schemas in its
   results: records render without them;
 - ToolBench answer trees, Anthropic hh-rlhf dialogue text and GSM8K model solutions, as published
-  (`treepack.io.chat_sources`).
+  (`treepack.chat.sources`).
 Every other field is carried into the records. JSON files are walked element by element with
 ``json.JSONDecoder.raw_decode`` so that an error names the line where the bad record starts:
 ``chats.json: line 412: field 'messages'[3].role: unknown role 'bot' (system, developer, user, assistant, tool)``.
@@ -28,8 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from treepack.errors import InputError
-from treepack.io.chat_sources import (
+from treepack.chat.sources import (
     gsm8k_solutions,
     hh_preference,
     is_gsm8k_solutions,
@@ -37,6 +36,7 @@ from treepack.io.chat_sources import (
     is_toolbench_answer,
     toolbench_paths,
 )
+from treepack.errors import InputError
 from treepack.io.jsonl import json_error_text
 from treepack.io.streams import StreamError, iter_blocks
 

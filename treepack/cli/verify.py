@@ -16,9 +16,9 @@ import typer
 from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
 from treepack.cli.common import check_choice, console, err_console, handle_errors
 from treepack.cli.inputs import report_skipped_files, size_option
-
 from treepack.errors import TreepackError
 
 
