@@ -14,7 +14,7 @@ What it measures, in one run, on one pack (bf16, Hq x D = 16 x 128, Hkv = 16 and
 FLOPs count only visible (query, key) pairs: forward = 4 · pairs · D · Hq (QK^T and PV), backward =
 2.5 x forward (dQ, dK, dV and the P recompute), fwd+bwd = 3.5 x forward. For the tree, pairs = sum over
 keys of their subtree size; for dense, pairs = sum over sequences of L(L+1)/2. Times are medians of
-`triton.testing.do_bench` (CUDA events). Targets (DESIGN §9): tree/triton >= 1.4x tree/flex in time, and
+`triton.testing.do_bench` (CUDA events). Targets (design §9): tree/triton >= 1.4x tree/flex in time, and
 tree/triton TFLOP/s >= 85% of the dense causal kernel's.
 
 Trees: a self-contained generator shaped like multi-turn agent rollouts (a long shared system prompt,

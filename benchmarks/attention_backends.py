@@ -149,6 +149,28 @@ def run_pack(name: str, se_np: np.ndarray, heads: int, kv_heads: int, dim: int, 
                     return tree_attention(q_, k_, v_, info, impl=impl)
 
                 ins, d = inputs, dout
+            elif runner in ("tree/routed", "tree/paths"):
+                # tree/paths: the pack's leaf segments over their gathered ancestor keys (FA4 varlen); tree/routed:
+                # what tree mode runs, paths where their padded tiles pay (`paths_pay`), else the tree kernel
+                from treepack.kernels.varlen.paths import DevicePaths, paths_attention, paths_pay, plan_paths
+
+                plan = plan_paths(se_np)
+                row["paths_padding"] = plan.padded_pairs() / max(plan.pairs, 1)
+                use_paths = runner == "tree/paths" or paths_pay(plan)
+                if runner == "tree/routed":
+                    row["routed"] = "paths" if use_paths else "tree"
+                if use_paths:
+                    dp = DevicePaths.of(plan, dev)
+                    fn = lambda q_, k_, v_, dp=dp: paths_attention(q_, k_, v_, dp, impl="fa4")
+                else:
+                    fn = lambda q_, k_, v_: tree_attention(q_, k_, v_, info, impl="auto")
+                ins, d = inputs, dout
+            elif runner == "dense/fa4-varlen":  # FA4's varlen kernel over the pack's leaf sequences, one call
+                from treepack.kernels.varlen import CausalBatch, causal_varlen_attention
+
+                cb = CausalBatch.of(lengths.tolist(), dev)
+                fn = lambda q_, k_, v_, cb=cb: causal_varlen_attention(q_, k_, v_, cb, impl="fa4")
+                ins, d = dense_in, dense_dout
             elif runner == "dense/varlen":
                 run = varlen_dense(heads, kv_heads)
                 if run is None:
@@ -160,10 +182,11 @@ def run_pack(name: str, se_np: np.ndarray, heads: int, kv_heads: int, dim: int, 
                 backend = {"dense/sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "dense/sdpa-flash": SDPBackend.FLASH_ATTENTION}[runner]
                 fn, ins, d = sdpa_per_sequence(bounds, backend, heads, kv_heads), dense_in, dense_dout
             out = fn(*ins).detach().float()
-            expect = ref.float() if runner in tree else ref.float()[flat]
+            on_tree = runner in tree or runner in ("tree/routed", "tree/paths")
+            expect = ref.float() if on_tree else ref.float()[flat]
             row["err"][runner] = ((out - expect).norm() / expect.norm()).item()
             row["ms"][runner] = bench_ms(fwd_bwd(fn, ins, d), **rep)
-            if runner in tree:
+            if on_tree:
                 row["fwd_ms"][runner] = bench_ms(lambda fn=fn: fn(*inputs), **rep)
         except Exception as e:  # noqa: BLE001 - report the runner's failure and go on
             row["failed"][runner] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -265,6 +288,12 @@ def report(args, rows: list[dict], grid: list[dict], started: float) -> str:
             summary.append(f"{r['pack']}: tree/fa4 {r['tflops']['tree/fa4']:.0f} TFLOP/s per pair = "
                            f"{r['tflops']['tree/fa4'] / dense[best]:.2f}x {best} ({dense[best]:.0f}); "
                            f"{r['ms'][best] / r['ms']['tree/fa4']:.2f}x faster in time; fastest tree runner {fast}")
+        if "tree/routed" in r["ms"] and "dense/fa4-varlen" in r["ms"]:
+            ratio = r["ms"]["tree/routed"] / r["ms"]["dense/fa4-varlen"]
+            per_pair = r["tflops"]["tree/routed"] / r["tflops"]["dense/fa4-varlen"]
+            summary.append(f"{r['pack']}: tree/routed ({r.get('routed')}; paths' padded pairs "
+                           f"{r.get('paths_padding', float('nan')):.2f}x the tree's) takes {ratio:.2f}x the time of FA4 "
+                           f"varlen over the leaves; {per_pair:.2f}x its TFLOP/s per pair")
     lines += ["", *[f"- {s}" for s in summary], ""]
     if grid:
         lines += ["## Call-shape grid (the table behind attention = \"auto\")", "",
@@ -286,6 +315,8 @@ def main() -> None:
     ap.add_argument("--tau-bench", type=Path, help="tau-bench retail rollouts: held-out tasks become a pack")
     ap.add_argument("--toolbench", type=Path, help="ToolBench rollouts")
     ap.add_argument("--synth", default="tau2,tau2-think,agentic-think", help="treepack synth workloads")
+    ap.add_argument("--rollouts", action="append", default=[], metavar="NAME=PATH",
+                    help="more packs: the first pack of a rollout file (repeatable), e.g. gsm8k=gsm8k.parquet")
     ap.add_argument("--capacity", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -307,6 +338,9 @@ def main() -> None:
         packs["toolbench"] = first_pack(args.toolbench, args.capacity, exclude_slice=False)
     for w in filter(None, args.synth.split(",")):
         packs[w] = workload_subtree_end(w, args.capacity, 0)
+    for spec in args.rollouts:
+        name, _, path = spec.partition("=")
+        packs[name] = first_pack(Path(path), args.capacity, exclude_slice=False)
     if args.child_order == "largest-first":
         packs = {f"{name} (largest-first)": largest_first(se) for name, se in packs.items()}
     runners = args.runners.split(",")

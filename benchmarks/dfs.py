@@ -64,6 +64,7 @@ from treepack.io.ingest import read_rollouts
 from treepack.io.rollouts import Rollouts
 from treepack.pack.layout import CHILD_ORDERS, Pack, build_pack, relayout
 from treepack.train.collector import Pauses, freeze_warmup, thaw
+from treepack.train.config import DfsConfig
 from treepack.train.data import dense_batches, leaf_sequences, pack_rollouts
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import ModelArgs
@@ -136,8 +137,8 @@ def plan_only(args) -> str:
         whole = build_pack(r)
         rows = LossRows.from_pack(whole)
         for (block, keep), merge, pops in itertools.product(args.dfs, args.merge_anchors, args.merge_pops):
-            s = DfsMode(block_size=block, keep_tokens=keep, subtree_calls=not args.walk,
-                        merge_anchor_tokens=merge, merge_pops=pops == "on").schedule(whole, rows)
+            dfs = DfsConfig(block_size=block, keep_tokens=keep, subtree_calls=not args.walk, merge_anchor_tokens=merge)
+            s = DfsMode(dfs=dfs, merge_pops=pops == "on").schedule(whole, rows)
             share = s.anchor_tokens / (s.anchor_tokens + s.grad_tokens)
             calls = "/".join(str(s.count(k)) for k in ("anchor", "keep", "grad", "release"))
             calls += f", {sum(1 for st in s.steps if st.n_anchor)} anchors merged, pops merged {pops}"
@@ -383,12 +384,12 @@ def run_gpu(args) -> None:
                     label += f" #{sum(1 for k in results if k.startswith(label)) + 1}" if label in results else ""
                 else:
                     label = f"tree C={block}" if mode_name == "tree" else mode_name
-                mode = make_mode(mode_name.removesuffix("-leaf"), attention=None if mode_name.startswith("dense") else args.attention,
-                                 dfs_block_size=block if mode_name == "dfs" else None, dfs_keep_tokens=keep,
-                                 chunk_rows=args.logits_chunk, dfs_subtree_calls=not args.walk,
-                                 dfs_merge_anchor_tokens=merge, dfs_merge_pops=pops == "on",
-                                 dfs_cuda_graphs=graphs == "on",
-                                 micro_batch_tokens=args.dense_tokens if mode_name.startswith("dense") else None)
+                dense = mode_name.startswith("dense")
+                dfs = DfsConfig(block_size=block if mode_name == "dfs" else "auto", keep_tokens=keep,
+                                subtree_calls=not args.walk, merge_anchor_tokens=merge, cuda_graphs=graphs == "on")
+                mode = make_mode(mode_name.removesuffix("-leaf"), **({} if dense else {"attention": args.attention}),
+                                 logits_chunk=args.logits_chunk, dfs=dfs, merge_pops=pops == "on",
+                                 micro_batch_tokens=args.dense_tokens if dense else "")
                 packs = groups[label if mode_name == "tree" else mode_name]
                 results[label] = measure(model, packs, mode, objective, args.repeats, args.profile, gc_mode,
                                          args.cprofile and mode_name == "dfs")
@@ -488,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), type=lambda s: s.split(","))
     ap.add_argument("--modes", default=",".join(MODES), type=lambda s: s.split(","))
     ap.add_argument("--dfs", default="2048,8192,2048:8192", type=_dfs_variants,
-                    help="dfs variants BLOCK[:KEEP] (dfs_block_size, 0 = unlimited; dfs_keep_tokens, default 0)")
+                    help="dfs variants BLOCK[:KEEP] ([train.dfs] block_size, 0 = unlimited; keep_tokens, default 0)")
     ap.add_argument("--walk", action="store_true", help="dfs leaf by leaf (AReaL-DTA), no subtree calls")
     ap.add_argument("--merge-anchors", type=lambda s: [int(m) for m in s.split(",")], default=[MERGE_ANCHOR_TOKENS],
                     help="dfs: anchors of at most this many tokens ride along in the grad call before them (0: off); "

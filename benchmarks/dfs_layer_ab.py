@@ -28,6 +28,7 @@ def main() -> None:
     import torch
 
     import treepack.train.attention as attention_mod
+    from treepack.train.config import DfsConfig
     from treepack.train.losses import Objective
     from treepack.train.model import Decoder
     from treepack.train.modes import make_mode
@@ -42,11 +43,11 @@ def main() -> None:
         groups = bench.batches(bench.workload(workload, args), args)
         for label in a.modes.split(","):
             if label == "tree":
-                packs, mode = groups["tree"], make_mode("tree", attention="auto", chunk_rows=1024)
+                packs, mode = groups["tree"], make_mode("tree", attention="auto", logits_chunk=1024)
             else:
                 block = int(label.removeprefix("dfs"))
                 packs = groups["dfs"]
-                mode = make_mode("dfs", attention="auto", chunk_rows=1024, dfs_block_size=block)
+                mode = make_mode("dfs", attention="auto", logits_chunk=1024, dfs=DfsConfig(block_size=block))
             for _ in range(a.rounds):
                 for variant in ("split", "fused"):
                     attention_mod.AttentionContext.kernel_schedule = (

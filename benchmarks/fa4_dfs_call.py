@@ -77,13 +77,14 @@ def main(argv: list[str] | None = None) -> None:
     import dfs as bench
 
     from treepack.kernels.tree_attention import fa4
+    from treepack.train.config import DfsConfig
     from treepack.train.modes.dfs import DfsMode
     from treepack.train.modes.dfs_graphs import padded_inputs, rounded
 
     data = argparse.Namespace(tau_bench=bench.SAMPLE, tau_records=144, seed=0, capacity=[32768], child_order="lex",
                               dense_tokens=16384)
     pack = bench.batches(bench.workload("tau-bench", data), data)["dfs"][0]
-    grads = [s for s in DfsMode(block_size=args.block).schedule(pack).steps if s.kind == "grad"]
+    grads = [s for s in DfsMode(dfs=DfsConfig(block_size=args.block)).schedule(pack).steps if s.kind == "grad"]
     lines = [f"# FA4 on one dfs call: exact, padded and hidden prefix rows, per backward order — {today()}", "",
              f"GPU {gpu_line()}.", f"Command: `{command_line(__file__, sys.argv[1:] if argv is None else argv)}`",
              "", "| call | tokens | cached rows | keys read | predicted | order | forward ms | backward ms |",

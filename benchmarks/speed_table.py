@@ -1,6 +1,6 @@
 """Measure a `SpeedTable` for ``mode = "auto"`` on this device: what a FLOP of each kind costs here.
 
-``auto`` prices each pack's tree and dense-leaf work with DESIGN §9's FLOP model split in two
+``auto`` prices each pack's tree and dense-leaf work with docs/design.md §9's FLOP model split in two
 (`treepack.train.modes.auto`): linear FLOPs (``6 x params x tokens + 6 x d_model x vocab x predicted``)
 at the ``matmul`` rate and attention FLOPs (``12 x layers x heads x head_dim x pairs``) at the rate of
 the backend that runs them, plus fixed host costs per model call and per attention call. This script

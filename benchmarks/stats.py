@@ -13,7 +13,7 @@ What it measures, in one run:
   formats (wall, peak RSS); and each JSON parser at hand decoding ``input_ids`` + ``loss_mask`` of the first
   ``--parser-tokens`` tokens into numpy arrays, each in a fresh interpreter (simdjson, orjson, msgspec,
   ``json``, pyarrow.json, polars; one that is not installed is reported so).
-Targets (DESIGN §9): >= 50x the dict trie's tokens/s; 100M tokens of JSONL.gz (and of Parquet) in <= 15 s on
+Targets (design §9): >= 50x the dict trie's tokens/s; 100M tokens of JSONL.gz (and of Parquet) in <= 15 s on
 2 cores at peak RSS <= 3x the int32 token bytes + 300 MB.
 
 Usage: python benchmarks/stats.py [--tokens 100M] [--kind tau2] [--out benchmarks/results]

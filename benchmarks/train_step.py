@@ -23,7 +23,7 @@ Before the runs a *path check* forwards one pack through ``make_mode("tree")`` w
 ``attention="auto"`` and counts the calls into the kernels: on CUDA it must be one `prepare` per pack and
 one Triton call per layer, no FlexAttention and no reference attention.
 
-FLOP model (DESIGN §9, `treepack.stats.ModelShape.flops`), counted per runner over what it computes:
+FLOP model (docs/design.md §9, `treepack.stats.ModelShape.flops`), counted per runner over what it computes:
 
     F = 6 · P · tokens  +  6 · d · V · predicted  +  12 · L · H · E · pairs
 
@@ -36,7 +36,7 @@ FLOP model (DESIGN §9, `treepack.stats.ModelShape.flops`), counted per runner o
   ``subtree_end[k] - k`` for tree; 12·E·H per pair and layer = (QK^T and PV, 2·2·E) x 3 for fwd+bwd.
 
 Ideal speedup of tree over a baseline B = F_B / F_tree (the FLOPs it avoids), realised = t_B / t_tree,
-and realised / ideal = tree's FLOP rate over B's: DESIGN §9 asks >= 90% over both baselines. MFU = F / t /
+and realised / ideal = tree's FLOP rate over B's: design §9 asks >= 90% over both baselines. MFU = F / t /
 (the bf16 matmul rate measured in the same run: an 8192^3 ``torch.matmul`` on random data); the recompute
 of activation checkpointing, where a runner needs it to fit, is not counted (model FLOPs, not hardware
 FLOPs). Flat-equivalent tokens/s = the workload's N_flat / t for every runner.
@@ -392,7 +392,7 @@ def path_check(trainer: Trainer, pack: Pack) -> dict:
     layers uncompiled: a compiled layer calls the kernel's custom op from inside its graph, where no Python
     wrapper can count it (the compiled and eager layers take the same backend, `kernel_schedule`'s choice)."""
     import treepack.kernels
-    from treepack.kernels.tree_attention import api
+    from treepack.kernels.tree_attention import reference
 
     counts: Counter = Counter()
     dtypes: set[str] = set()
@@ -413,8 +413,8 @@ def path_check(trainer: Trainer, pack: Pack) -> dict:
         return apply(hidden, weight, target, chunk, *rest)
 
     patches = [mock.patch.object(treepack.kernels, "prepare", counted("prepare", treepack.kernels.prepare)),
-               mock.patch.object(api, "tree_attention_reference",
-                                 counted("reference", api.tree_attention_reference)),
+               mock.patch.object(reference, "tree_attention_reference",
+                                 counted("reference", reference.tree_attention_reference)),
                mock.patch.object(losses._TargetLogProb, "apply", staticmethod(logprob_apply))]
     for key, module in (("triton", "triton"), ("fa4", "fa4"), ("flex", "flex")):
         try:
@@ -430,7 +430,7 @@ def path_check(trainer: Trainer, pack: Pack) -> dict:
         for p in patches:
             stack.enter_context(p)
         with torch.no_grad(), trainer.autocast():
-            mode = make_mode("tree", chunk_rows=trainer.logits_chunk)  # attention: the default ("auto")
+            mode = make_mode("tree", logits_chunk=trainer.logits_chunk)  # attention: the default ("auto")
             mode(trainer.model, pack, row, trainer.objective, BatchTotals.of([row]))
     _sync(trainer.device)
     return {"tokens": int(pack.n_tokens), "layers": trainer.model.args.num_layers, "calls": dict(counts),
@@ -604,16 +604,16 @@ class Bench:
             self.checks_ok &= passed
             self.log(self.checks[-1])
         if job.runner == "auto":  # per pack tree or dense-leaf (micro-batches as the dense runners')
-            mode = make_mode("auto", chunk_rows=trainer.logits_chunk, micro_batch_tokens=self.dense_tokens)
+            mode = make_mode("auto", logits_chunk=trainer.logits_chunk, micro_batch_tokens=self.dense_tokens)
             res.flops, res.note = auto_work(mode, trainer, work, job.model)
             self.log(f"{label}: {res.note}")
         else:
             # dense: each micro-batch of dense_batches is one pack; its lanes in one call of <= --dense-tokens
             # flat tokens (the mode's default bound, the pack's trie tokens, would cut shared leaves into
             # several calls)
-            mode = make_mode("dense" if work.dense else "tree", chunk_rows=trainer.logits_chunk,
-                             attention=None if work.dense else job.runner.split("/")[1],
-                             micro_batch_tokens=self.dense_tokens if work.dense else None)
+            mode = make_mode("dense" if work.dense else "tree", logits_chunk=trainer.logits_chunk,
+                             **({} if work.dense else {"attention": job.runner.split("/")[1]}),
+                             micro_batch_tokens=self.dense_tokens if work.dense else "")
         ckpt = work.largest >= self.oom_tokens.get(job.model, 1 << 62)
         self.log(f"{label}: {res.packs} packs, {res.tokens:,} tokens, {res.flops / 1e12:.0f} TFLOP"
                  + (" (activation checkpointing)" if ckpt else ""))
@@ -671,7 +671,7 @@ class Bench:
             text += [profile_table(r) for r in self.results
                      if (r.model, r.workload) == (model, wl) and r.profile]
         table, verdicts = summary(self.results, ceiling)
-        title = "## Targets (DESIGN §9): tree >= 90% of the FLOP-model ideal speedup over both baselines, " \
+        title = "## Targets (design §9): tree >= 90% of the FLOP-model ideal speedup over both baselines, " \
                 "MFU >= 45%"
         text += [title, "", table] + [f"- {v}" for v in verdicts]
         return "\n".join(text) + "\n", table + "\n".join(verdicts) + "\n"

@@ -1,54 +1,76 @@
-"""TRL's GRPOTrainer with treepack.hf computing the policy's (and reference's) token log-probs.
+"""TRL's GRPOTrainer with treepack computing the policy's and reference's token log-probs.
 
-TRL scores a batch in ``GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
-logits_to_keep, ...)``: ``input_ids`` [B, P + C] (prompts padded on the left, completions on the right),
-and it wants the log-probs of the C completion columns, [B, C]. The G completions of a prompt repeat the
-prompt G times in that batch; `treepack.hf.padded_logprobs` strips the padding, packs the rows into trees
-(the prompt once) and scatters the result back into [B, C]. Paste the class below into your training
-script and use it in place of ``GRPOTrainer``::
+`treepack.hf.trl.TreeGRPOTrainer` is TRL's ``GRPOTrainer`` with its log-prob forward tree-packed (the G
+completions of a prompt share the prompt once): same arguments, same logged numbers (tests/test_trl.py runs
+both on a tiny model and compares loss, kl, grad_norm and entropy). Use it in place of ``GRPOTrainer``::
 
+    from treepack.hf.trl import TreeGRPOTrainer
     trainer = TreeGRPOTrainer(model="path/to/Qwen3-0.6B", reward_funcs=my_reward, args=GRPOConfig(...),
-                              train_dataset=dataset)
+                              train_dataset=dataset, whole_groups=True)
     trainer.train()
 
-Notes: the sharing happens within one call, so give TRL batches that hold whole groups
-(``per_device_train_batch_size`` a multiple of ``num_generations``; a larger ``steps_per_generation``
-batch shares the prompt across more completions). Multimodal inputs fall back to TRL's own forward.
-Written against TRL's current signature (it returns ``(logps, entropies, aux_loss)``; older releases
-returned two values: drop the ``None``).
+``whole_groups=True`` keeps each prompt's completions in one step when ``steps_per_generation`` > 1 (TRL
+shuffles rows otherwise: about 2 completions per prompt per loss call instead of G). Give TRL steps that
+hold whole groups (``per_device_train_batch_size`` a multiple of ``num_generations``). Needs ``trl>=1.7,<2``.
+
+    python examples/trl_grpo.py --tiny               # CPU: a tiny random Qwen3 and the bundled tokenizer
+    python examples/trl_grpo.py --model path/to/checkpoint --steps 100
 """
 
 from __future__ import annotations
 
-import torch
+import argparse
+import tempfile
+from pathlib import Path
 
-from treepack.hf import padded_logprobs
-
-
-def tree_per_token_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
-                         temperature: float, compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """TRL's (logps [B, C], entropies [B, C] or None) computed by tree packing (0 at padded columns)."""
-    return padded_logprobs(model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
-                           return_entropy=compute_entropy)
+TOKENIZER = Path(__file__).resolve().parents[1] / "treepack" / "datasets" / "samples" / "chat_tokenizer"
+PROMPTS = ["add 2 and 3", "name a colour", "count to three", "say hi", "spell cat", "what is 7 x 6?"]
 
 
-try:
-    from trl import GRPOTrainer
-except ImportError:  # the recipe needs TRL; the function above does not
-    GRPOTrainer = None
+def reward_short(completions, **kwargs) -> list[float]:
+    """A toy reward: shorter answers score higher (plug in your own)."""
+    return [1.0 / (1 + len(c[0]["content"])) for c in completions]
 
-if GRPOTrainer is not None:
 
-    class TreeGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer whose log-prob forward is tree-packed (same numbers, shared prompts computed once)."""
+def tiny_checkpoint(path: Path) -> Path:
+    """A random two-layer Qwen3 with the bundled chat tokenizer, saved at ``path`` (no hub)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                               batch_size=None, compute_entropy=False, compute_aux_loss=False,
-                                               **multimodal):
-            if compute_aux_loss or any(v is not None for v in multimodal.values()):
-                return super()._get_per_token_logps_and_entropies(
-                    model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
-            logps, entropies = tree_per_token_logps(model, input_ids, attention_mask, logits_to_keep,
-                                                    temperature=self.temperature, compute_entropy=compute_entropy)
-            return logps, entropies, None
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="local Hugging Face checkpoint directory (with its tokenizer)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model on CPU")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--group-size", type=int, default=4)
+    args = ap.parse_args(argv)
+    if not (args.model or args.tiny):
+        ap.error("give --model DIR or --tiny")
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from treepack.hf.trl import TreeGRPOTrainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(tiny_checkpoint(Path(tmp) / "tiny"))
+        config = GRPOConfig(output_dir=str(Path(tmp) / "out"), per_device_train_batch_size=2 * args.group_size,
+                            num_generations=args.group_size, gradient_accumulation_steps=2,
+                            max_completion_length=16, max_steps=args.steps, beta=0.04, logging_steps=1,
+                            report_to="none", use_cpu=args.tiny, bf16=not args.tiny, save_strategy="no")
+        dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+        trainer = TreeGRPOTrainer(model=model, reward_funcs=reward_short, args=config, train_dataset=dataset,
+                                  whole_groups=True)
+        trainer.train()
+
+
+if __name__ == "__main__":
+    main()

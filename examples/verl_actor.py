@@ -1,56 +1,56 @@
-"""verl's FSDP actor with treepack.hf computing the response log-probs of each micro-batch.
+"""verl's FSDP actor with treepack computing the response log-probs of each micro-batch.
 
-verl's ``DataParallelPPOActor._forward_micro_batch(micro_batch, temperature, calculate_entropy)`` returns
-``(entropy, log_probs)`` of the response part, [B, R], from ``input_ids`` / ``attention_mask`` [B, L]
-(prompts padded on the left, responses on the right) and ``responses`` [B, R]. The subclass below computes
-them with `treepack.hf.padded_logprobs`: rows are stripped to their tokens, packed into prefix trees (a
-GRPO group's prompt once) and scattered back. Use it where verl builds its actor, e.g. in your worker::
+`treepack.hf.verl.TreeDataParallelPPOActor` is verl's ``DataParallelPPOActor`` (verl 0.6 and 0.7; 0.8 replaced
+it with engine workers) with its micro-batch forward tree-packed: a GRPO group's prompt once per micro-batch,
+the same log-probs, entropies and policy update (tests/test_verl.py runs both on a tiny model). Install it where
+verl builds its actor, in code the worker process imports (verl runs workers as Ray actors), e.g. a module
+listed in your runtime environment::
 
     import verl.workers.fsdp_workers as workers
-    from verl_actor import TreeDataParallelPPOActor
+    from treepack.hf.verl import TreeDataParallelPPOActor
     workers.DataParallelPPOActor = TreeDataParallelPPOActor   # before the worker builds its actor
 
-(verl runs workers as Ray actors: do the assignment in code the worker process imports, for instance a
-custom worker class or a module listed in your runtime environment.)
+Make micro-batches hold whole groups (``actor.ppo_micro_batch_size_per_gpu`` a multiple of ``rollout.n``).
 
-Notes: sharing happens within one micro-batch, so make micro-batches hold whole groups
-(``ppo_micro_batch_size_per_gpu`` a multiple of ``rollout.n``, or ``use_dynamic_bsz`` with a token budget
-that fits a group); ``use_remove_padding`` and Ulysses sequence parallelism are verl's own padding-free
-paths and are bypassed here (sequence parallelism, which splits a sequence over ranks, is not supported);
-multimodal micro-batches fall back to verl's forward. The actor module may be FSDP-wrapped: treepack then
-lets the model compute the logits of the rows it needs (the head's weight is resharded after the forward).
+    python examples/verl_actor.py      # score one padded micro-batch with verl's actor and with the tree (CPU)
 """
 
 from __future__ import annotations
 
+import socket
+
 import torch
 
-from treepack.hf import padded_logprobs
 
-
-def tree_forward_micro_batch(actor_module, micro_batch, temperature: float, calculate_entropy: bool = False,
-                             device_type: str = "cuda") -> tuple[torch.Tensor | None, torch.Tensor]:
-    """verl's (entropy [B, R] or None, log_probs [B, R]) of a micro-batch, computed by tree packing."""
-    response_length = micro_batch["responses"].size(-1)
-    with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
-        log_probs, entropy = padded_logprobs(actor_module, micro_batch["input_ids"], micro_batch["attention_mask"],
-                                             response_length, temperature=temperature,
-                                             return_entropy=calculate_entropy)
-    return entropy, log_probs
-
-
-try:
+def main() -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
     from verl.workers.actor.dp_actor import DataParallelPPOActor
-except ImportError:  # the recipe needs verl; the function above does not
-    DataParallelPPOActor = None
+    from verl.workers.config import FSDPActorConfig, FSDPEngineConfig
 
-if DataParallelPPOActor is not None:
+    from treepack.hf.verl import TreeDataParallelPPOActor
 
-    class TreeDataParallelPPOActor(DataParallelPPOActor):
-        """verl's actor with a tree-packed forward (same log-probs, shared prompts computed once)."""
+    with socket.socket() as s:  # verl's actor asks for its rank: a one-process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    config = FSDPActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=4, use_torch_compile=False,
+                             fsdp_config=FSDPEngineConfig(dtype="fp32"))
+    prompt, responses = torch.randint(0, 64, (6,)), torch.randint(0, 64, (4, 5))
+    batch = {"input_ids": torch.cat([prompt.expand(4, 6), responses], 1), "responses": responses}
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["position_ids"] = torch.arange(11).expand(4, 11)
+    out = {}
+    for cls in (DataParallelPPOActor, TreeDataParallelPPOActor):
+        with torch.no_grad():
+            res = cls(config, model)._forward_micro_batch(batch, temperature=1.0)
+        out[cls.__name__] = res["log_probs"] if isinstance(res, dict) else res[1]
+    diff = float((out["DataParallelPPOActor"] - out["TreeDataParallelPPOActor"]).abs().max())
+    print(f"4 responses to one 6-token prompt: log-probs [4, 5], max |verl - tree| = {diff:.2e}")
+    torch.distributed.destroy_process_group()
 
-        def _forward_micro_batch(self, micro_batch, temperature, calculate_entropy=False):
-            if "multi_modal_inputs" in micro_batch.keys() or self.use_ulysses_sp:  # noqa: SIM118 (TensorDict)
-                return super()._forward_micro_batch(micro_batch, temperature, calculate_entropy)
-            return tree_forward_micro_batch(self.actor_module, micro_batch, temperature, calculate_entropy,
-                                            device_type=self.device_name)
+
+if __name__ == "__main__":
+    main()

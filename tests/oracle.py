@@ -103,7 +103,7 @@ def ancestor_mask(parent):
 
 
 def naive_stats(seqs, scopes=None):
-    """The §4 numbers by walking a dict trie token by token (fast enough for a few million tokens)."""
+    """The design §4 numbers by walking a dict trie token by token (fast enough for a few million tokens)."""
     scopes = list(scopes) if scopes is not None else [0] * len(seqs)
     roots: dict = {}
     n_tree = 0

@@ -183,8 +183,7 @@ def test_unpack_replaces_a_file_and_names_the_output_in_errors(packs, tmp_path):
     assert (tmp_path / "back.jsonl.gz").read_bytes()[10:20] == b"back.jsonl"  # the gzip header's file name
     assert listing(tmp_path) == ["back.jsonl", "back.jsonl.gz", "back.parquet"]
     (tmp_path / "d.parquet").mkdir()
-    for name, why in (("d.parquet", "Is a directory"), ("no/x.parquet", "No such file or directory"),
-                      ("back.jsonl/x.jsonl", "Not a directory")):
+    for name, why in (("d.parquet", "Is a directory"), ("back.jsonl/x.jsonl", "Not a directory")):
         r = run("unpack", packs, "-o", tmp_path / name)
         assert (r.code, r.err) == (1, f"Error: {tmp_path / name}: {why}\n")
 

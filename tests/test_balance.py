@@ -1,7 +1,9 @@
 """The sharing-aware balance of a global batch over K ranks (treepack.pack.balance, treepack.pack.cost)
 against naive references: exact work of a pack in each layout, exact run costs of every contiguous run of
-its sequences (tokens and pairs; the head's term never over-counts), pieces that rebuild the pack's
-sequences, Algorithm 4 against brute force, and a balance that never does worse than whole packs."""
+its sequences (tokens, predicted tokens and pairs, in every layout), pieces that rebuild the pack's
+sequences, every piece's predicted cost equal to its sub-pack's recomputed from scratch (a wrong remainder
+cost otherwise agrees with itself), Algorithm 4 against brute force, and a balance that never does worse
+than whole packs."""
 
 from __future__ import annotations
 
@@ -63,21 +65,37 @@ def test_pack_work_equals_the_naive_count(case):
 
 
 @FAST
-@given(packs())
-def test_run_costs_are_exact_for_every_run(case):
+@given(packs(), st.booleans())
+def test_run_costs_are_exact_for_every_run(case, largest_first):
     """Every run [a, b) of the pack's sequences priced by RunCosts equals the work of the piece built from
-    it: tokens and pairs exactly; the head's term is a lower bound, exact when masks agree on shared tokens."""
-    pack, _, _, all_ones = case
-    price = {name: pack_run_costs(pack, flops) for name, flops in (("t", TOKENS), ("p", PREDICTED), ("q", PAIRS))}
-    assert price["t"].whole == pack_work(pack).tokens
+    it, in every layout and term (tokens, predicted tokens, pairs), loss masks that differ on shared tokens
+    included; vectorised heads and tails agree with ``run``."""
+    pack = relayout(case[0], "largest-first") if largest_first else case[0]
     n = pack.n_sequences
-    for a in range(n):
-        for b in range(a + 1, n + 1):
-            work = pack_work(sub_pack(pack, a, b))
-            assert price["t"].run(a, b) == work.tokens and price["q"].run(a, b) == work.pairs
-            assert price["p"].run(a, b) <= work.predicted
-            if all_ones:
-                assert price["p"].run(a, b) == work.predicted
+    for layout in ("tree", "flat", "leaf"):
+        price = {name: pack_run_costs(pack, flops, layout) for name, flops in (("t", TOKENS), ("p", PREDICTED),
+                                                                               ("q", PAIRS))}
+        assert price["t"].whole == price["t"].run(0, n) == pack_work(pack, layout).tokens
+        for a in range(n):
+            for b in range(a + 1, n + 1):
+                work = pack_work(sub_pack(pack, a, b), layout)
+                got = Work(price["t"].run(a, b), price["p"].run(a, b), price["q"].run(a, b))
+                assert got == work, (layout, a, b)
+            for c in price.values():
+                stops = np.arange(a + 1, n + 1)
+                assert c.heads(a, stops).tolist() == [c.run(a, s) for s in stops]
+                assert c.tails(np.arange(a + 1), a + 1).tolist() == [c.run(s, a + 1) for s in range(a + 1)]
+                assert [c.step(a, s) for s in range(a + 1, n)] == [c.run(a, s + 1) - c.run(a, s) for s in range(a + 1, n)]
+
+
+def test_a_later_sequence_training_on_shared_context_is_priced_exactly():
+    """[1 2 3 | 4] trains on 4; [1 2 3 4 | 5] only on 5; [1 2 3 4 6] trains on 4 again: a run of the last two
+    predicts 4 once (the middle one does not train on it), the whole pack once too."""
+    pack = build_pack(rollouts_from([[1, 2, 3, 4], [1, 2, 3, 4, 5], [1, 2, 3, 4, 6]],
+                                    masks=[[0, 0, 0, 1], [0, 0, 0, 0, 1], [0, 0, 0, 1, 1]]))
+    price = pack_run_costs(pack, PREDICTED)
+    assert [price.run(a, b) for a, b in ((0, 3), (1, 3), (2, 3), (1, 2), (0, 2))] == [3, 3, 2, 1, 2]
+    assert price.extra_seq.tolist() == [2] and price.extra_prev.tolist() == [0]
 
 
 @FAST
@@ -110,6 +128,23 @@ def test_rollout_run_costs_match_the_pack_of_the_same_sequences():
     order, costs = rollout_run_costs(r, flops=PAIRS)
     assert costs.whole == pack_work(build_pack(r)).pairs
     assert [seqs[i] for i in order] == sorted(seqs)  # lexicographic, a prefix before its extensions
+
+
+@FAST
+@given(packs())
+def test_rollout_run_costs_are_exact_for_every_run(case):
+    """The same prices from rollouts (no pack built): every run of the lexicographic order costs what a pack
+    built from the run's sequences costs, in every layout."""
+    _, seqs, masks, _ = case
+    r = rollouts_from(seqs, masks=masks)
+    flops = FlopModel(7, 5, 3)
+    for layout in ("tree", "flat", "leaf"):
+        order, costs = rollout_run_costs(r, flops=flops, layout=layout)
+        n = len(order)
+        for a in range(n):
+            for b in range(a + 1, n + 1):
+                run = r.select(order[a:b])
+                assert costs.run(a, b) == flops.cost(pack_work(build_pack(run), layout)), (layout, a, b)
 
 
 @st.composite
@@ -184,6 +219,29 @@ def test_a_lone_pack_is_cut_where_little_is_shared():
     split = balance_units([pack_run_costs(pack, TOKENS)], 2)
     assert sorted((p.start, p.stop) for p in split.pieces) == [(0, 3), (3, 6)]
     assert sum(split.loads) == pack_work(pack).tokens  # nothing computed twice
+    assert (split.cut_cost, split.cut_share) == (0, 0.0)
+
+
+def test_a_comb_cut_over_two_ranks_costs_what_the_ranks_compute():
+    """A comb (each sequence branches one token earlier than the last) of 10 tree tokens over 2 ranks: 7 and
+    7 tokens, the shared prefix 1 2 3 4 computed on both: 4 tokens (40%) that cutting adds. Pricing the
+    remainder without its shared prefix predicted 6 and 4 (and cut elsewhere: the ranks computed 6 and 9)."""
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [1, 2, 3, 4, 8], [1, 2, 3, 9], [1, 2, 10]]
+    pack = build_pack(rollouts_from(seqs))
+    split = balance_units([pack_run_costs(pack, TOKENS)], 2)
+    assert [(p.start, p.stop, p.cost) for p in split.pieces] == [(0, 2, 7), (2, 5, 7)]
+    assert split.loads == [pack_work(sub_pack(pack, p.start, p.stop)).tokens for p in split.pieces] == [7, 7]
+    assert (split.cut_cost, split.cut_share) == (4, 0.4)
+    pytest.importorskip("torch")
+    from treepack.train.distributed import shard_batch
+
+    share = shard_batch([pack], flops=TOKENS, rank=0, world_size=2)
+    assert share.table(1) == [("split of step 1 over 2 ranks (1 of 1 packs cut, recomputing 4 tokens (+40.0% tokens); "
+                               "cost: tokens of the tree layout):"),
+                              "  rank 0: 1 packs | 7 tokens (50.0%)", "  rank 1: 1 packs | 7 tokens (50.0%)",
+                              "  imbalance 0.0% (costliest rank / mean - 1)"]
+    assert {k: share.to_json()[k] for k in ("rank_cost", "split_packs", "cut_tokens", "cut_cost")} == {
+        "rank_cost": [7, 7], "split_packs": 1, "cut_tokens": 4, "cut_cost": 4}
 
 
 def test_errors():
@@ -217,4 +275,41 @@ def test_shard_batch_partitions_the_batch():
         assert all(sh.totals == BatchTotals.of([LossRows.from_pack(p) for p in batch]) for sh in shares)
         assert all(sh.rank_cost == shares[0].rank_cost for sh in shares)  # every rank computes the same split
         assert [sum(flops.cost(pack_work(p)) for p in sh.packs) for sh in shares] == shares[0].rank_cost
+        assert shares[0].split.loads == shares[0].rank_cost  # the balance's prediction is what the ranks compute
     assert shard_batch(batch, flops=flops, rank=0, world_size=8).n_split_packs > 0  # 3 packs, 8 ranks: cut
+
+
+def recomputed_cost(pack, start: int, stop: int, flops: FlopModel, layout: str) -> int:
+    """The cost of sequences [start, stop) of ``pack`` from scratch: a new pack built over exactly them."""
+    seqs = [pack.sequence_tokens(s).tolist() for s in range(start, stop)]
+    masks = [np.asarray(pack.seq_loss_mask[pack.seq_offsets[s]:pack.seq_offsets[s + 1]]).tolist()
+             for s in range(start, stop)]
+    return flops.cost(pack_work(build_pack(rollouts_from(seqs, masks=masks)), layout))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(packs(max_seqs=8), min_size=1, max_size=4), st.integers(1, 6),
+       st.sampled_from(["tree", "flat", "leaf"]),
+       st.sampled_from([TOKENS, PREDICTED, PAIRS, FlopModel(3, 2, 1), FlopModel.named("qwen3-0.6b")]),
+       st.sampled_from([MIN_GAIN, 0.0]), st.booleans())
+def test_every_piece_costs_what_its_sub_pack_costs(cases, k, layout, flops, min_gain, largest_first):
+    """The balance's predicted cost of every piece, whole or cut, is the cost of the pack the piece becomes,
+    recomputed from its sequences alone; every rank's predicted load is the sum of its pieces' recomputed
+    costs, and what cutting costs is the recomputed pieces of the cut packs less the packs themselves.
+    (``min_gain`` 0 keeps every cut that helps at all, so cuts come often.)"""
+    pack_list = [relayout(c[0], "largest-first") if largest_first else c[0] for c in cases]
+    units = [pack_run_costs(p, flops, layout) for p in pack_list]
+    split = balance_units(units, k, min_gain=min_gain)
+    loads = [0] * k
+    pieces_of_cut = 0
+    for piece, rank in zip(split.pieces, split.ranks):
+        pack = pack_list[piece.unit]
+        want = recomputed_cost(pack, piece.start, piece.stop, flops, layout)
+        assert piece.cost == want, (piece, want)
+        assert piece.cost == flops.cost(pack_work(sub_pack(pack, piece.start, piece.stop), layout))
+        loads[rank] += want
+        if piece.unit in split.split_units:
+            pieces_of_cut += want
+    assert split.loads == loads
+    whole = sum(recomputed_cost(pack_list[u], 0, pack_list[u].n_sequences, flops, layout) for u in split.split_units)
+    assert split.cut_cost == pieces_of_cut - whole >= 0

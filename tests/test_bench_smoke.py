@@ -48,7 +48,7 @@ def test_train_step_benchmark_cpu_smoke(tmp_path, monkeypatch):
     assert tree["flops"] < dense["flops"]
     text = out.read_text()
     needles = ("- tree packs: tokens in `largest-first` DFS order", "GPU path check: tiny:", "## tiny on tau-bench: 2 sequences", "| tree/reference | 2K | 1 |",
-               "## Targets (DESIGN §9)", "- tiny tau-bench 2K tree/reference: >= 90% of the ideal speedup")
+               "## Targets (design §9)", "- tiny tau-bench 2K tree/reference: >= 90% of the ideal speedup")
     for needle in needles:
         assert needle in text
 

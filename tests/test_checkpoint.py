@@ -74,3 +74,58 @@ def test_resume_on_cuda_with_either_adamw(tmp_path, saved_with, resumed_with):
     """The fused kernel needs its step count on the GPU: a checkpoint's counts went to the CPU and the
     first resumed step failed ("state_steps is on cpu")."""
     _resume_matches(tmp_path, "cuda", saved_with, resumed_with)
+
+
+def _saved(tmp_path) -> tuple[Decoder, torch.optim.AdamW]:
+    model = Decoder.random_init(ARGS, seed=1, dtype=torch.float64)
+    opt = make_optimizer(model, RunConfig())
+    _step(model, opt, 0)
+    return model, opt
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_nothing(tmp_path, monkeypatch):
+    """The save writes a hidden directory and swaps it in only when every file is written."""
+    model, opt = _saved(tmp_path)
+    save_checkpoint(tmp_path, model, opt, {"step": 1})
+    before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoint").iterdir()}
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", disk_full)
+    _step(model, opt, 1)
+    with pytest.raises(OSError, match="No space left on device"):
+        save_checkpoint(tmp_path, model, opt, {"step": 2})
+    assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoint").iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"]
+
+
+def test_a_save_removes_what_a_killed_save_left(tmp_path):
+    for name in (".checkpoint.999.tmp", ".checkpoint.998.old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"cut short")
+    model, opt = _saved(tmp_path)
+    save_checkpoint(tmp_path, model, opt, {"step": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"]
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_both_formats_save_through_the_atomic_swap_and_resume_a_plain_model(tmp_path, monkeypatch, distributed):
+    """One save path for safetensors and DCP (`treepack.io.atomic.replaced_dir`); either loads into a plain model
+    bit for bit (DCP written by one process without a process group)."""
+    from treepack.train import checkpoint
+
+    swaps = []
+    real = checkpoint.replaced_dir
+    monkeypatch.setattr(checkpoint, "replaced_dir", lambda path: swaps.append(path) or real(path))
+    model, opt = _saved(tmp_path)
+    save_checkpoint(tmp_path, model, opt, {"step": 1, "losses": [2.5]}, distributed=distributed)
+    save_checkpoint(tmp_path, model, opt, {"step": 1, "losses": [2.5]}, distributed=distributed)  # over the first
+    assert swaps == [tmp_path / "checkpoint"] * 2 and [p.name for p in tmp_path.iterdir()] == ["checkpoint"]
+    resumed = Decoder.random_init(ARGS, seed=9, dtype=torch.float64)
+    opt2 = make_optimizer(resumed, RunConfig())
+    state = load_checkpoint(tmp_path, resumed, opt2)
+    assert (state["step"], state["losses"], state.get("format")) == (1, [2.5], "dcp" if distributed else None)
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+        assert torch.equal(opt.state[a]["exp_avg"], opt2.state[b]["exp_avg"]), name

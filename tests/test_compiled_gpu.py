@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_equivalence import make_pack, random_sequences
 
+from treepack.train.config import DfsConfig
 from treepack.train.losses import BatchTotals, LossRows, Objective, target_logprobs
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import make_mode
@@ -51,7 +52,7 @@ def test_compiled_matches_eager_error(mode):
     seqs = random_sequences(np.random.default_rng(3), 24)
     packs = [make_pack(seqs[:12], 0), make_pack(seqs[12:], 1)]  # two lengths: no recompile needed
     objective = Objective("grpo", "token")
-    options = {"dfs_block_size": 7} if mode == "dfs" else {}
+    options = {"dfs": DfsConfig(block_size=7)} if mode == "dfs" else {}
     ref_model = Decoder.random_init(_args(), seed=0, dtype=torch.float64, device="cuda")
     ref_model.compile = "off"
     ref = _step(ref_model, packs, mode, objective, False, attention="reference", **options)

@@ -25,6 +25,7 @@ SCRIPT = textwrap.dedent("""
     import treepack.train.compiled as compiled_mod
     from treepack.train.losses import BatchTotals, LossRows, Objective
     from treepack.train.model import Decoder, ModelArgs, layer_with_tree_kernel, layer_with_tree_kernel_hidden
+    from treepack.train.config import DfsConfig
     from treepack.train.modes import make_mode
 
     args = ModelArgs.for_family("qwen3", vocab_size=13, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -40,7 +41,7 @@ SCRIPT = textwrap.dedent("""
         out.backward()
         return float(out.loss.detach()), {{n: p.grad for n, p in model.named_parameters()}}
 
-    for mode, options in [("tree", {{}}), ("dfs", {{"dfs_block_size": 7}})]:
+    for mode, options in [("tree", {{}}), ("dfs", {{"dfs": DfsConfig(block_size=7)}})]:
         compiled_mod._compiled.clear()
         loss_eager, grads_eager = step("off", mode, **options)
         loss_compiled, grads_compiled = step("on", mode, **options)

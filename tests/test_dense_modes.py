@@ -270,8 +270,15 @@ def test_speed_table_json(tmp_path):
 
 
 def test_make_mode_names_and_attention():
-    assert make_mode("dense-leaf").attention == "sdpa" and make_mode("dense", attention="auto").attention == "sdpa"
-    with pytest.raises(ConfigError, match="^attention 'sdpa' runs independent causal sequences; auto mode needs"):
+    from treepack.kernels.tree_attention.registry import AttentionCall, resolve
+
+    # the dense modes keep "auto" and resolve it per call: on a CPU, per-sequence SDPA, as they always ran
+    assert make_mode("dense-leaf").attention == "auto" and make_mode("dense", attention="sdpa").attention == "sdpa"
+    call = AttentionCall(torch.device("cpu"), torch.float64, heads=4, head_dim=8)
+    assert resolve("causal", make_mode("dense").attention, call).name == "sdpa"
+    assert make_mode("auto").leaf.attention == "auto" and make_mode("dense", attention="triton").attention == "triton"
+    with pytest.raises(ConfigError, match="^train.attention = 'sdpa' runs independent causal sequences; "
+                                          "train.mode = 'auto' needs auto, reference, flex, triton or fa4$"):
         make_mode("auto", attention="sdpa")
     with pytest.raises(ConfigError, match=r"^unknown mode 'flat' \(modes: tree, dense, dense-leaf, dfs, auto\)$"):
         make_mode("flat")

@@ -20,7 +20,7 @@ from strategies import rollouts_from, sequence_lists
 
 from treepack.errors import ConfigError
 from treepack.pack.layout import build_pack
-from treepack.train.config import parse_config
+from treepack.train.config import DfsConfig, parse_config
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import Decoder
 from treepack.train.modes import LayoutError, make_mode
@@ -250,7 +250,7 @@ def test_pruning_drops_tokens_without_loss_below():
     masks = [[0, 0, 1, 1], [0, 0, 0, 0, 0]]  # the second sequence trains on nothing
     pack = build_pack(rollouts_from(seqs, masks=masks))
     rows = LossRows.from_pack(pack)
-    mode = DfsMode(block_size=2)
+    mode = DfsMode(dfs=DfsConfig(block_size=2))
     out = mode(Decoder.random_init(tiny_model_args(8), dtype=torch.float64), pack, rows, Objective(),
                BatchTotals.of([rows]))
     # live: 1, 2 (parent of 3), 3 (parent of 4); pruned: 4 (a leaf's last token) and 5, 6, 7
@@ -267,11 +267,11 @@ def test_plan_rejects_a_non_preorder_parent():
 # Equivalence with dense (float64)
 
 
-DFS_CONFIGS = [{"dfs_block_size": b} for b in (7, 40, 2048, 0)] + [
-    {"dfs_block_size": 7, "dfs_keep_tokens": 12},
-    {"dfs_block_size": 5, "dfs_keep_tokens": 10**6, "dfs_order": "layout"},
-    {"dfs_block_size": 7, "dfs_subtree_calls": False},  # AReaL-DTA's walk, leaf by leaf
-    {"dfs_block_size": 2048, "dfs_subtree_calls": False},
+DFS_CONFIGS = [DfsConfig(block_size=b) for b in (7, 40, 2048, 0)] + [
+    DfsConfig(block_size=7, keep_tokens=12),
+    DfsConfig(block_size=5, keep_tokens=10**6, order="layout"),
+    DfsConfig(block_size=7, subtree_calls=False),  # AReaL-DTA's walk, leaf by leaf
+    DfsConfig(block_size=2048, subtree_calls=False),
 ]
 
 
@@ -285,14 +285,14 @@ def test_dfs_equals_dense(model, seed, kind, size):
     pack = make_pack(seqs, seed)
     objective = Objective(kind=kind, normalization="sequence" if seed % 2 else "token", clip_low=0.1, clip_high=0.1)
     ref = run(model, pack, "dense", objective)
-    configs = DFS_CONFIGS if size == "large" else [{"dfs_block_size": 1}, {"dfs_block_size": 1, "dfs_keep_tokens": 3}]
+    configs = DFS_CONFIGS if size == "large" else [DfsConfig(block_size=1), DfsConfig(block_size=1, keep_tokens=3)]
     for cfg in configs:
-        out, grads = run(model, pack, "dfs", objective, **cfg)
+        out, grads = run(model, pack, "dfs", objective, dfs=cfg)
         assert_same(out, grads, *ref)
         assert out.backward_done and not out.loss.requires_grad
         w = out.metrics
         assert w["grad_tokens"] + w["pruned_tokens"] == pack.n_real == w["backward_tokens"] + w["pruned_tokens"]
-        assert w["peak_graph_tokens"] <= (cfg["dfs_block_size"] or pack.n_real) + cfg.get("dfs_keep_tokens", 0)
+        assert w["peak_graph_tokens"] <= (cfg.block or pack.n_real) + cfg.keep_tokens
 
 
 # (seed, block): random_sequences(seed, n=8, grow=12) whose schedule merges anchors into grad calls
@@ -308,14 +308,14 @@ def test_dfs_equals_dense_with_anchors_merged_into_grad_calls(model, seed, block
     saves one model call per merge and counts its tokens as anchored."""
     pack = make_pack(random_sequences(seed, n=8, grow=12), seed)
     rows = LossRows.from_pack(pack)
-    merged = DfsMode(block_size=block).schedule(pack, rows)
-    alone = DfsMode(block_size=block, merge_anchor_tokens=0).schedule(pack, rows)
+    merged = DfsMode(dfs=DfsConfig(block_size=block)).schedule(pack, rows)
+    alone = DfsMode(dfs=DfsConfig(block_size=block, merge_anchor_tokens=0)).schedule(pack, rows)
     n_merged = sum(1 for st in merged.steps if st.n_anchor)
     assert n_merged > 0 and len(merged.steps) == len(alone.steps) - n_merged
     objective = Objective(kind=kind, normalization="sequence" if seed % 2 else "token", clip_low=0.1, clip_high=0.1)
     ref = run(model, pack, "dense", objective)
     for merge in (0, 10**6):
-        out, grads = run(model, pack, "dfs", objective, dfs_block_size=block, dfs_merge_anchor_tokens=merge)
+        out, grads = run(model, pack, "dfs", objective, dfs=DfsConfig(block_size=block, merge_anchor_tokens=merge))
         assert_same(out, grads, *ref)
         w = out.metrics
         assert w["model_calls"] == len((merged if merge else alone).steps) - (merged if merge else alone).count("release")
@@ -331,14 +331,14 @@ def test_dfs_equals_dense_with_pops_merged(model, seed, block, kind):
     forwarded and anchored, and the loss and gradients of dense."""
     pack = make_pack(random_sequences(seed, n=8, grow=12), seed)
     rows = LossRows.from_pack(pack)
-    merged = DfsMode(block_size=block).schedule(pack, rows)
-    apart = DfsMode(block_size=block, merge_pops=False).schedule(pack, rows)
+    merged = DfsMode(dfs=DfsConfig(block_size=block)).schedule(pack, rows)
+    apart = DfsMode(dfs=DfsConfig(block_size=block), merge_pops=False).schedule(pack, rows)
     assert len(merged.steps) < len(apart.steps)
     assert (merged.grad_tokens, merged.anchor_tokens) == (apart.grad_tokens, apart.anchor_tokens)
     objective = Objective(kind=kind, normalization="sequence" if seed % 2 else "token", clip_low=0.1, clip_high=0.1)
     ref = run(model, pack, "dense", objective)
     for pops in (False, True):
-        out, grads = run(model, pack, "dfs", objective, dfs_block_size=block, dfs_merge_pops=pops)
+        out, grads = run(model, pack, "dfs", objective, dfs=DfsConfig(block_size=block), merge_pops=pops)
         assert_same(out, grads, *ref)
         assert out.metrics["model_calls"] == len((merged if pops else apart).steps)
         assert out.metrics["peak_graph_tokens"] <= block
@@ -361,7 +361,7 @@ def test_one_multi_tensor_add_per_call_sums_the_same_bits(monkeypatch, dtype):
         calls = 0
         for pack in packs:
             rows = LossRows.from_pack(pack)
-            out = make_mode("dfs", dfs_block_size=12)(net, pack, rows, objective, BatchTotals.of([rows]))
+            out = make_mode("dfs", dfs=DfsConfig(block_size=12))(net, pack, rows, objective, BatchTotals.of([rows]))
             calls += out.metrics["model_calls"]
         assert calls > len(packs) + 2  # several calls per pack: the sums are exercised
         grads[at_once] = {n: p.grad.clone() for n, p in net.named_parameters()}
@@ -377,7 +377,7 @@ def test_dfs_equals_dense_with_behaviour_logprobs_and_kl(model):
     pack = dataclasses.replace(pack, seq_logprobs=rng.normal(-2.5, 0.3, pack.seq_token_index.shape[0]))
     objective = Objective(kind="grpo", clip_low=0.2, clip_high=0.28, kl_coef=0.05)
     ref = run(model, pack, "dense", objective)
-    out, grads = run(model, pack, "dfs", objective, dfs_block_size=3, dfs_keep_tokens=8)
+    out, grads = run(model, pack, "dfs", objective, dfs=DfsConfig(block_size=3, keep_tokens=8))
     assert_same(out, grads, *ref)
     assert "clip_fraction" in out.metrics
 
@@ -388,7 +388,7 @@ def test_dfs_equals_dense_on_a_forest_and_a_single_token(model):
     objective = Objective()
     ref = run(model, pack, "dense", objective)
     for block in (1, 2, 0):
-        assert_same(*run(model, pack, "dfs", objective, dfs_block_size=block), *ref)
+        assert_same(*run(model, pack, "dfs", objective, dfs=DfsConfig(block_size=block)), *ref)
 
 
 
@@ -404,7 +404,7 @@ def test_dfs_on_a_pack_without_loss_rows(model, kind):
         totals = BatchTotals.of(rows)
         objective = Objective(kind=kind)
         grads = {}
-        for name, options in (("dense", {}), ("dfs", {}), ("dfs", {"dfs_block_size": 1, "dfs_subtree_calls": False})):
+        for name, options in (("dense", {}), ("dfs", {}), ("dfs", {"dfs": DfsConfig(block_size=1, subtree_calls=False)})):
             model.zero_grad(set_to_none=True)
             losses = []
             for p, row in zip(packs, rows):
@@ -426,19 +426,19 @@ def test_dfs_equals_dense_on_hypothesis_trees(model, seqs, block, keep, kind):
     pack = make_pack(seqs, len(seqs))
     if LossRows.from_pack(pack).n_rows == 0:
         rows = LossRows.from_pack(pack)
-        out = make_mode("dfs", dfs_block_size=block)(model, pack, rows, Objective(kind=kind), BatchTotals.of([rows]))
+        out = make_mode("dfs", dfs=DfsConfig(block_size=block))(model, pack, rows, Objective(kind=kind), BatchTotals.of([rows]))
         assert out.loss.item() == 0.0 and out.logp_R.numel() == 0
         return
     objective = Objective(kind=kind)
     ref = run(model, pack, "dense", objective)
-    assert_same(*run(model, pack, "dfs", objective, dfs_block_size=block, dfs_keep_tokens=keep), *ref)
-    assert_same(*run(model, pack, "dfs", objective, dfs_block_size=block, dfs_keep_tokens=keep,
-                     dfs_subtree_calls=False), *ref)
+    assert_same(*run(model, pack, "dfs", objective, dfs=DfsConfig(block_size=block, keep_tokens=keep)), *ref)
+    assert_same(*run(model, pack, "dfs", objective, dfs=DfsConfig(block_size=block, keep_tokens=keep,
+                                                                  subtree_calls=False)), *ref)
 
 
 def test_verify_runs_dfs_and_reports_its_work():
     packs = [make_pack(random_sequences(s), s) for s in (5, 6)]
-    report = verify_packs(packs, modes=("dense", "tree", "dfs"), mode_options={"dfs_block_size": 4})
+    report = verify_packs(packs, modes=("dense", "tree", "dfs"), mode_options={"dfs": DfsConfig(block_size=4)})
     assert report.ok, report.failures
     assert report.modes["dfs"].max_rel_grad_diff <= TOL
     work = report.to_json()["modes"]["dfs"]["work"]
@@ -448,7 +448,7 @@ def test_verify_runs_dfs_and_reports_its_work():
 
 def test_verify_float32_within_twice_dense_error():
     report = verify_packs([make_pack(random_sequences(8), 8)], modes=("dense", "dfs"), dtype="float32",
-                          mode_options={"dfs_block_size": 5})
+                          mode_options={"dfs": DfsConfig(block_size=5)})
     assert report.ok, report.failures
 
 
@@ -513,8 +513,8 @@ def peak_saved(model, pack, name, **options) -> tuple[int, dict]:
 def test_peak_memory_follows_the_longest_path_not_the_tree(model):
     small, large = make_pack(comb(2), masked=False), make_pack(comb(16), masked=False)
     assert large.n_real > 4 * small.n_real
-    dfs_small, w_small = peak_saved(model, small, "dfs", dfs_block_size=16)
-    dfs_large, w_large = peak_saved(model, large, "dfs", dfs_block_size=16)
+    dfs_small, w_small = peak_saved(model, small, "dfs", dfs=DfsConfig(block_size=16))
+    dfs_large, w_large = peak_saved(model, large, "dfs", dfs=DfsConfig(block_size=16))
     tree_small, _ = peak_saved(model, small, "tree")
     tree_large, _ = peak_saved(model, large, "tree")
     assert w_small["peak_graph_tokens"] == w_large["peak_graph_tokens"] == 16
@@ -531,32 +531,55 @@ def test_peak_memory_follows_the_longest_path_not_the_tree(model):
 
 def test_config_accepts_dfs_and_checks_its_keys():
     base = '[data]\nshards = "p"\n[train]\nmode = "dfs"\n'
-    cfg = parse_config(base + "dfs_block_size = 0\ndfs_keep_tokens = 4096\n")
-    assert (cfg.train.mode, cfg.train.dfs_block, cfg.train.dfs_keep_tokens) == ("dfs", 0, 4096)
-    assert parse_config(base).train.dfs_block == "auto"  # the default: sized from the GPU's memory
+    dfs = base + "[train.dfs]\n"
+    cfg = parse_config(dfs + "block_size = 0\nkeep_tokens = 4096\n")
+    assert (cfg.train.mode, cfg.train.dfs.block, cfg.train.dfs.keep_tokens) == ("dfs", 0, 4096)
+    assert parse_config(base).train.dfs == DfsConfig()  # the default block: sized from the GPU's memory
+    assert DfsConfig().block == "auto"
     for text, block in (("8192", 8192), ('"8k"', 8000), ('"8K"', 8192), ('"auto"', "auto")):
-        assert parse_config(base + f"dfs_block_size = {text}\n").train.dfs_block == block
-    assert cfg.train.dfs_subtree_calls and not parse_config(base + "dfs_subtree_calls = false\n").train.dfs_subtree_calls
-    assert not make_mode("dfs", dfs_subtree_calls=False).subtree_calls
-    assert parse_config(base + "dfs_merge_anchor_tokens = 0\n").train.dfs_merge_anchor_tokens == 0
-    assert make_mode("dfs", dfs_merge_anchor_tokens=0).merge_anchor_tokens == 0
-    with pytest.raises(ConfigError, match="train.dfs_merge_anchor_tokens must be >= 0"):
-        parse_config(base + "dfs_merge_anchor_tokens = -1\n")
+        assert parse_config(dfs + f"block_size = {text}\n").train.dfs.block == block
+    assert cfg.train.dfs.subtree_calls and not parse_config(dfs + "subtree_calls = false\n").train.dfs.subtree_calls
+    assert not make_mode("dfs", dfs=DfsConfig(subtree_calls=False)).subtree_calls
+    assert parse_config(dfs + "merge_anchor_tokens = 0\n").train.dfs.merge_anchor_tokens == 0
+    assert make_mode("dfs", dfs=DfsConfig(merge_anchor_tokens=0)).merge_anchor_tokens == 0
+    with pytest.raises(ConfigError, match="^config.toml: train.dfs.merge_anchor_tokens must be >= 0, got -1$"):
+        parse_config(dfs + "merge_anchor_tokens = -1\n")
     for bad in ("-1", '"big"', '"1.5k2"', "true"):
-        with pytest.raises(ConfigError, match="train.dfs_block_size"):
-            parse_config(base + f"dfs_block_size = {bad}\n")
-    with pytest.raises(ConfigError, match="dfs block size must be a number of tokens or 'auto', got 'big'"):
-        make_mode("dfs", dfs_block_size="big")
-    with pytest.raises(ConfigError, match="train.dfs_order must be one of backward, layout"):
-        parse_config(base + 'dfs_order = "bfs"\n')
-    with pytest.raises(ConfigError, match="train.mode = 'dfs' needs auto"):
+        with pytest.raises(ConfigError, match="^config.toml: train.dfs.block_size must be "):
+            parse_config(dfs + f"block_size = {bad}\n")
+    with pytest.raises(ConfigError, match='^train.dfs.block_size must be a number of tokens such as 8192 or "8K", '
+                                          "0 \\(unlimited\\) or \"auto\", got 'big'$"):
+        make_mode("dfs", dfs=DfsConfig(block_size="big"))
+    with pytest.raises(ConfigError, match="^config.toml: train.dfs.order must be one of backward, layout, got 'bfs'$"):
+        parse_config(dfs + 'order = "bfs"\n')
+    sdpa = ("train.attention = 'sdpa' runs independent causal sequences; train.mode = 'dfs' needs auto, reference, "
+            "flex, triton or fa4")
+    with pytest.raises(ConfigError) as err:
         parse_config(base + 'attention = "sdpa"\n')
-    with pytest.raises(ConfigError, match="dfs mode needs a tree kernel"):
+    assert str(err.value) == f"config.toml: {sdpa}"
+    with pytest.raises(ConfigError) as err:  # the same check, in the same words, from Python
         make_mode("dfs", attention="sdpa")
+    assert str(err.value) == sdpa
     assert parse_config(base + "activation_memory_budget = 0.7\n").train.activation_memory_budget == 0.7
     for bad in ("0", "1.5"):
         with pytest.raises(ConfigError, match=r"train.activation_memory_budget must be in \(0, 1\], got"):
             parse_config(base + f"activation_memory_budget = {bad}\n")
+
+
+@pytest.mark.parametrize("key", ["block_size", "keep_tokens", "order", "subtree_calls", "merge_anchor_tokens",
+                                 "cuda_graphs"])
+def test_flat_dfs_keys_are_refused_with_their_new_place(key):
+    base = '[data]\nshards = "p"\n[train]\nmode = "dfs"\n'
+    with pytest.raises(ConfigError) as err:
+        parse_config(base + f"dfs_{key} = 1\n")
+    assert str(err.value) == f"config.toml: train.dfs_{key} moved to [train.dfs] {key}"
+
+
+def test_several_flat_dfs_keys_are_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        parse_config('[data]\nshards = "p"\n[train]\ndfs_block_size = 8\ndfs_order = "layout"\n')
+    assert str(err.value) == ("config.toml: train.dfs_block_size moved to [train.dfs] block_size, "
+                              "train.dfs_order moved to [train.dfs] order")
 
 
 def test_merge_work_sums_counts_and_keeps_peaks():
@@ -577,7 +600,7 @@ def test_train_cli_dfs_follows_the_tree_trajectory(tmp_path):
     from test_train_cli import metrics, write_config
 
     assert cli("train", write_config(tmp_path, mode="tree", out="tree")).code == 0
-    r = cli("train", write_config(tmp_path, mode="dfs", out="dfs", extra="dfs_block_size = 3\n"))
+    r = cli("train", write_config(tmp_path, mode="dfs", out="dfs", extra="[train.dfs]\nblock_size = 3\n"))
     assert r.code == 0, r.err
     first = next(line for line in r.out.splitlines() if line.startswith("step "))  # after the start banner
     assert re.fullmatch(r"step 00001 \| .* \| mem \d+\.\d GB \| anchor \d+% \| graph 3", first)
@@ -604,7 +627,7 @@ def test_verify_cli_with_dfs(tmp_path):
     assert re.search(r"dfs: \d+ tokens forwarded with grad, \d+ without \(anchors, [\d.]+%\)", r.out)
     r = cli("verify", data, "--capacity", "40", "--modes", "dense,dfs", "--dfs-block-size", "-1")
     assert r.code == 2 and 'Invalid value for --dfs-block-size: must be >= 0 (0: unlimited) or "auto", got -1' in r.err
-    for block in ("auto", "1k"):  # the forms train.dfs_block_size takes
+    for block in ("auto", "1k"):  # the forms [train.dfs] block_size takes
         r = cli("verify", data, "--capacity", "40", "--modes", "dense,dfs", "--dfs-block-size", block)
         assert r.code == 0 and "OK: every mode matches dense" in r.out, r.err
     r = cli("verify", data, "--capacity", "40", "--modes", "dense")  # nothing to compare: not an OK

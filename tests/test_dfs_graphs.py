@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_dfs import VOCAB, assert_same, make_pack, random_sequences, run
 
-from treepack.train.config import parse_config
+from treepack.train.config import DfsConfig, parse_config
 from treepack.train.loop import build_mode
 from treepack.train.losses import Objective
 from treepack.train.model import Decoder
@@ -69,8 +69,8 @@ def test_call_scalars_name_the_rows_written_and_read():
 
 def test_config_switch_reaches_the_mode():
     base = '[data]\nshards = "p"\n[train]\nmode = "dfs"\n'
-    assert not parse_config(base).train.dfs_cuda_graphs
-    cfg = parse_config(base + "dfs_cuda_graphs = true\n")
+    assert not parse_config(base).train.dfs.cuda_graphs
+    cfg = parse_config(base + "[train.dfs]\ncuda_graphs = true\n")
     mode = build_mode(cfg)
     assert isinstance(mode, DfsMode) and mode.cuda_graphs
 
@@ -79,9 +79,9 @@ def test_without_cuda_graphed_dfs_is_eager_dfs_with_one_warning():
     model = Decoder.random_init(tiny_model_args(VOCAB), seed=0, dtype=torch.float64)
     objective = Objective("grpo", "token")
     pack = make_pack(random_sequences(3), 3)
-    ref_out, ref_grads = run(model, pack, "dfs", objective, dfs_block_size=16)
+    ref_out, ref_grads = run(model, pack, "dfs", objective, dfs=DfsConfig(block_size=16))
     with pytest.warns(RuntimeWarning, match="dfs CUDA graphs are off: not on CUDA"):
-        out, grads = run(model, pack, "dfs", objective, dfs_block_size=16, dfs_cuda_graphs=True)
+        out, grads = run(model, pack, "dfs", objective, dfs=DfsConfig(block_size=16, cuda_graphs=True))
     assert_same(out, grads, ref_out, ref_grads)
     assert out.metrics["graph_calls"] == 0 and out.metrics["graph_pool_bytes"] == 0
 

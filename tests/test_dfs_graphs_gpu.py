@@ -30,6 +30,7 @@ def test_graphed_dfs_steps_are_as_close_as_eager(objective_kind, exact, working,
     """Shapes are captured the second time they are met: with ``exact`` (the default) at their exact sizes (steps
     1-2 capture, step 3 replays), without at their buckets. With ``working``, the 16-bit models read working
     weights, whose gradient hooks run inside the captured backwards."""
+    from treepack.train.config import DfsConfig
     from treepack.train.losses import Objective
     from treepack.train.model import Decoder, ModelArgs
     from treepack.train.modes import dfs_graphs, make_mode
@@ -46,7 +47,7 @@ def test_graphed_dfs_steps_are_as_close_as_eager(objective_kind, exact, working,
         model.compile = compile_mode
         if working and dtype == torch.float32:
             WorkingWeights(model, torch.bfloat16)
-        mode = make_mode("dfs", attention=attention, dfs_block_size=256, dfs_cuda_graphs=graphs)
+        mode = make_mode("dfs", attention=attention, dfs=DfsConfig(block_size=256, cuda_graphs=graphs))
         out_steps, counts = [], []
         for _ in range(n_steps):
             model.zero_grad(set_to_none=True)

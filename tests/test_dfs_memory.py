@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_dfs import make_pack, random_sequences
 
+from treepack.train.config import DfsConfig
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.memory_limit import state_bytes
 from treepack.train.model import Decoder, ModelArgs
@@ -78,7 +79,7 @@ def test_plan_is_the_largest_granule_that_fits(model, available, path, chunk, gr
 def test_line_says_what_the_block_is_made_of():
     plan = BlockPlan(tokens=18432, available=int(67e9), state=int(10.4e9), cache=int(3.2e9), head=int(0.8e9),
                      per_token=1.5e6)
-    assert plan.line() == ('dfs: calls of up to 18,432 tokens (dfs_block_size = "auto": 52.6 of 67.0 GB for a '
+    assert plan.line() == ('dfs: calls of up to 18,432 tokens (dfs.block_size = "auto": 52.6 of 67.0 GB for a '
                            "call's activations at ~1.50 MB a token, after 10.4 GB of weights and optimizer state, "
                            "3.2 GB of path cache, 0.8 GB of logits and workspace)")
     short = BlockPlan(tokens=1024, available=int(12e9), state=int(10.4e9), cache=int(3.2e9), head=0, per_token=1.5e6)
@@ -92,22 +93,22 @@ def test_line_says_what_the_block_is_made_of():
 def test_the_path_cache_estimate_covers_the_schedule(seed, n):
     """The auto block sizes the path cache from positions; the traversal allocates the schedule's max depth."""
     pack = make_pack(random_sequences(seed, n=n))
-    assert longest_path(pack) >= DfsMode(block_size=8).schedule(pack).max_depth
+    assert longest_path(pack) >= DfsMode(dfs=DfsConfig(block_size=8)).schedule(pack).max_depth
 
 
 def test_auto_off_a_gpu_is_the_cpu_block_and_the_same_gradients(model):
     pack = make_pack(random_sequences(3, n=8, grow=60))
-    mode = make_mode("dfs", attention="reference", dfs_block_size="auto")
+    mode = make_mode("dfs", attention="reference")  # [train.dfs] block_size = "auto": the default
     assert mode.auto is not None and mode.block_for(model, pack) == CPU_BLOCK and mode.block_for(None, pack) == CPU_BLOCK
     assert mode.describe_block(model, [pack], torch.float32) == (
-        'dfs: calls of up to 8,192 tokens (dfs_block_size = "auto" off a GPU)')
+        'dfs: calls of up to 8,192 tokens (dfs.block_size = "auto" off a GPU)')
     assert mode.auto.plan(model, pack, chunk_rows=1024, graphs=False, extra_tokens=0) is None
     rows = LossRows.from_pack(pack)
     objective = Objective(kind="grpo")
     grads = []
     for block in ("auto", CPU_BLOCK):
         model.zero_grad(set_to_none=True)
-        make_mode("dfs", attention="reference", dfs_block_size=block)(model, pack, rows, objective,
+        make_mode("dfs", attention="reference", dfs=DfsConfig(block_size=block))(model, pack, rows, objective,
                                                                      BatchTotals.of([rows])).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
@@ -120,13 +121,13 @@ def test_train_prints_the_block_at_the_start(tmp_path):
     r = cli("train", write_config(tmp_path, mode="dfs", out="dfs", steps=1))
     assert r.code == 0, r.err
     lines = r.out.splitlines()
-    assert 'dfs: calls of up to 8,192 tokens (dfs_block_size = "auto" off a GPU)' in lines
-    assert lines.index('dfs: calls of up to 8,192 tokens (dfs_block_size = "auto" off a GPU)') > next(
+    assert 'dfs: calls of up to 8,192 tokens (dfs.block_size = "auto" off a GPU)' in lines
+    assert lines.index('dfs: calls of up to 8,192 tokens (dfs.block_size = "auto" off a GPU)') > next(
         i for i, line in enumerate(lines) if line.startswith("treepack train: dfs mode"))  # after the banner
     # graphs asked for where they cannot run: said on that line, not as a Python warning from inside a step
-    r = cli("train", write_config(tmp_path, mode="dfs", out="g", steps=1, extra="dfs_cuda_graphs = true\ndfs_block_size = 64\n"))
+    r = cli("train", write_config(tmp_path, mode="dfs", out="g", steps=1, extra="[train.dfs]\ncuda_graphs = true\nblock_size = 64\n"))
     assert r.code == 0 and "RuntimeWarning" not in r.err
-    assert "dfs: calls of up to 64 tokens (dfs_block_size); dfs_cuda_graphs is off: not on CUDA" in r.out.splitlines()
+    assert "dfs: calls of up to 64 tokens (dfs.block_size); dfs.cuda_graphs is off: not on CUDA" in r.out.splitlines()
 
 
 @pytest.mark.gpu
@@ -140,7 +141,7 @@ def test_a_call_at_the_auto_block_stays_under_the_plan():
     rng = np.random.default_rng(0)
     trunk = rng.integers(0, 32000, 3000).tolist()
     pack = make_pack([trunk + rng.integers(0, 32000, int(rng.integers(2000, 6000))).tolist() for _ in range(4)])
-    mode = make_mode("dfs", attention="auto", chunk_rows=1024, dfs_block_size="auto")
+    mode = make_mode("dfs", attention="auto", logits_chunk=1024, dfs=DfsConfig(block_size="auto"))
     plan0 = plan_block(model, path_tokens=longest_path(pack), chunk_rows=1024, compute_dtype=torch.bfloat16,
                        graphs=False, available=10**12)
     # memory for the state, the cache, the logits, the workspace, and 4,096 tokens of activations beside a

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from strategies import rollouts_from, sequence_lists
 
 from treepack.pack.layout import build_pack
+from treepack.train.config import DfsConfig
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import make_mode
@@ -238,6 +239,6 @@ def test_verify_loss_that_cancels_to_zero():
         masks.append([0] * (len(history) - 4) + [1] * 4)
     r = rollouts_from(seqs, masks=masks, advantages=[-2.0, -1.0, 0.0, 1.0, 2.0])
     report = verify_packs([build_pack(r)], modes=("dense", "dense-leaf", "tree", "dfs"), loss="grpo",
-                          normalization="sequence", mode_options={"dfs_block_size": 1})
+                          normalization="sequence", mode_options={"dfs": DfsConfig(block_size=1)})
     assert report.ok, report.failures
     assert all(abs(m.loss) < 1e-15 for m in report.modes.values())

@@ -195,6 +195,7 @@ def _long_branches(rng: np.random.Generator) -> list[list[int]]:
 def test_compiled_step_with_fa4_is_as_close_as_triton(mode_name):
     """A compiled bf16 step with FA4 inside the layer, as close to float64 as Triton's; in dfs mode the calls read
     a cached prefix, whose dK/dV come back through the op's prefix outputs into the path cache's gradients."""
+    from treepack.train.config import DfsConfig
     from treepack.train.losses import Objective
     from treepack.train.model import Decoder, ModelArgs
     from treepack.train.modes import make_mode
@@ -206,7 +207,7 @@ def test_compiled_step_with_fa4_is_as_close_as_triton(mode_name):
         packs = [make_pack(seqs[:12], 0), make_pack(seqs[12:], 1)]
     else:
         packs = [make_pack(_long_branches(np.random.default_rng(5)), 0)]
-    options = {"dfs_block_size": 256} if mode_name == "dfs" else {}
+    options = {"dfs": DfsConfig(block_size=256)} if mode_name == "dfs" else {}
     objective = Objective("grpo", "token")
 
     def step(dtype, attention, compile_mode):

@@ -1,6 +1,7 @@
 """The examples run: the plain GRPO loop on a tiny random model (CPU, float64) trains exactly like the same
-loop with per-sequence log-probs, and the TRL / verl recipes' forwards give what those trainers compute (the
-subclasses themselves need trl / verl installed, which the test suite does not)."""
+loop with per-sequence log-probs; the padded bridge TRL's and verl's actors call (`padded_logprobs`) gives the
+model's own per-row log-probs in their [B, C] layout, in the caller's row chunks and dtype. The trainers
+themselves run in tests/test_trl.py and tests/test_verl.py."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from hf_models import reference_logprobs, tiny_model
 
-from treepack.hf import exact_float64
+import treepack.hf.logprobs as hf_logprobs
+from treepack.errors import TreepackError
+from treepack.hf import exact_float64, padded_logprobs
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -55,23 +59,58 @@ def _padded_batch():
     return ids, mask, C
 
 
-def test_trl_and_verl_recipes_return_their_trainers_layout(monkeypatch):
-    trl, verl = load("trl_grpo", monkeypatch), load("verl_actor", monkeypatch)
+def _reference_rows(model, ids, mask, C, temperature):
+    rows = []
+    for b in range(ids.shape[0]):
+        cols = torch.nonzero(mask[b])[:, 0]
+        row = torch.zeros(C, dtype=torch.float64)
+        lp = reference_logprobs(model, [ids[b, cols].tolist()], temperature=temperature)[0]
+        keep = cols[1:] >= ids.shape[1] - C
+        row[cols[1:][keep] - (ids.shape[1] - C)] = lp[keep]
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def test_padded_bridge_returns_the_trainers_layout_in_their_chunks_and_dtype(monkeypatch):
     model = tiny_model("qwen3")
     ids, mask, C = _padded_batch()
+    forwards = []
+    inner = hf_logprobs.token_logprobs
+    monkeypatch.setattr(hf_logprobs, "token_logprobs",
+                        lambda m, seqs, **kw: forwards.append(len(seqs)) or inner(m, seqs, **kw))
     with exact_float64():
-        lp_trl, ent = trl.tree_per_token_logps(model, ids, mask, C, temperature=0.9, compute_entropy=True)
-        ent_verl, lp_verl = verl.tree_forward_micro_batch(model, {"input_ids": ids, "attention_mask": mask,
-                                                                   "responses": ids[:, -C:]}, 0.9, True, "cpu")
-        ref = []
-        for b in range(ids.shape[0]):
-            cols = torch.nonzero(mask[b])[:, 0]
-            row = torch.zeros(C, dtype=torch.float64)
-            lp = reference_logprobs(model, [ids[b, cols].tolist()], temperature=0.9)[0]
-            keep = cols[1:] >= ids.shape[1] - C
-            row[cols[1:][keep] - (ids.shape[1] - C)] = lp[keep]
-            ref.append(row)
-        ref = torch.stack(ref)
-    assert lp_trl.shape == (4, C) and ent.shape == (4, C)
-    assert float((lp_trl.detach() - ref.detach()).abs().max()) <= 1e-9
-    assert torch.equal(lp_trl, lp_verl) and torch.equal(ent, ent_verl)
+        lp, ent = padded_logprobs(model, ids, mask, C, temperature=0.9, return_entropy=True)
+        ref = _reference_rows(model, ids, mask, C, 0.9)
+    lp3, ent3 = padded_logprobs(model, ids, mask, C, temperature=0.9, return_entropy=True, batch_size=3,
+                                dtype=torch.float32)  # outside exact_float64, which keeps float64 from casting
+    assert forwards == [4, 3, 1]  # all rows in one tree; then TRL's chunks of 3 rows: 3 + 1
+    assert lp.shape == ent.shape == (4, C) and lp.dtype == torch.float64
+    assert float((lp.detach() - ref).abs().max()) <= 1e-9
+    assert lp3.dtype == ent3.dtype == torch.float32  # what TRL's fused head returns, whatever the model's dtype
+    assert float((lp3 - lp).abs().max()) <= 1e-6 and float((ent3 - ent).abs().max()) <= 1e-6
+    with pytest.raises(TreepackError) as e:
+        padded_logprobs(model, ids, mask, C, batch_size=0)
+    assert str(e.value) == "batch_size must be >= 1, got 0"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "jetmoe"])  # the head: linear, soft-capped, the model's own
+def test_entropy_carries_its_gradient_like_the_models_own_forward(arch):
+    """verl's entropy_coeff trains on the entropy: its gradient must be the per-row forward's."""
+    ids, mask, C = _padded_batch()
+    grads = []
+    for tree in (True, False):
+        model = tiny_model(arch)
+        with exact_float64():
+            if tree:
+                _, ent = padded_logprobs(model, ids, mask, C, return_entropy=True)
+            else:
+                ent = torch.zeros(ids.shape[0], C, dtype=torch.float64)
+                for b in range(ids.shape[0]):
+                    cols = torch.nonzero(mask[b])[:, 0]
+                    logp = torch.log_softmax(model(input_ids=ids[b, cols][None]).logits[0, :-1], -1)
+                    keep = cols[1:] >= ids.shape[1] - C
+                    ent[b, cols[1:][keep] - (ids.shape[1] - C)] = -(logp.exp() * logp).sum(-1)[keep]
+            (ent * torch.arange(1, C + 1)).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    tree_g, ref_g = grads
+    assert max(float((tree_g[n] - g).abs().max()) / max(float(g.abs().max()), 1e-12) for n, g in ref_g.items()) <= 1e-9

@@ -142,13 +142,17 @@ def test_unknown_head_family_uses_the_models_own_logits():
 
 def test_backend_errors_are_clear():
     model = tiny_model("qwen3")
-    with pytest.raises(TreeAttentionError, match="attention must be one of auto, reference, flex, triton, fa4"):
+    with pytest.raises(TreeAttentionError, match="^attention must be one of auto, reference, flex, triton, fa4, "
+                                                 "got 'fast'$"):
+        token_logprobs(model, SEQS, attention="fast", check=False)
+    with pytest.raises(TreeAttentionError, match="^attention 'sdpa' runs independent causal sequences; tree "
+                                                 "attention needs auto, reference, flex, triton or fa4$"):
         token_logprobs(model, SEQS, attention="sdpa", check=False)
-    with pytest.raises(TreeAttentionError, match="attention='flex' has no backward on CPU"):
+    with pytest.raises(TreeAttentionError, match="^attention='flex': torch's FlexAttention has no backward on CPU"):
         token_logprobs(model, SEQS, attention="flex", check=False)
-    with pytest.raises(ValueError, match="the triton backend needs CUDA tensors"):
+    with pytest.raises(TreeAttentionError, match="^attention='triton': the triton backend needs CUDA tensors"):
         token_logprobs(model, SEQS, attention="triton", check=False)
-    with pytest.raises(ValueError, match="the fa4 backend needs CUDA tensors"):
+    with pytest.raises(TreeAttentionError, match="^attention='fa4': the fa4 backend needs CUDA tensors, got cpu$"):
         token_logprobs(model, SEQS, attention="fa4", check=False)
 
 

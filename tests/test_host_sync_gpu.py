@@ -17,6 +17,7 @@ import torch
 from test_equivalence import make_pack, random_sequences
 
 from treepack.kernels import prepare, tree_attention
+from treepack.train.config import DfsConfig
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes.dfs import DfsMode, _Traversal
@@ -65,7 +66,7 @@ def test_dfs_steps_do_not_sync():
     rows = LossRows.from_pack(pack)
     objective = Objective("sft", "token")
     for subtree_calls in (True, False):
-        mode = DfsMode("triton", block_size=7, subtree_calls=subtree_calls)
+        mode = DfsMode("triton", dfs=DfsConfig(block_size=7, subtree_calls=subtree_calls))
         _Traversal(mode, model, pack, rows, objective, BatchTotals.of([rows])).run()  # compile first
         with no_sync():
             walk = _Traversal(mode, model, pack, rows, objective, BatchTotals.of([rows]))
@@ -85,7 +86,7 @@ def test_dfs_steps_with_working_weights_do_not_sync():
     WorkingWeights(model, torch.bfloat16)
     pack = make_pack(random_sequences(np.random.default_rng(5), 16), 0)
     rows = LossRows.from_pack(pack)
-    mode = DfsMode("triton", block_size=7)
+    mode = DfsMode("triton", dfs=DfsConfig(block_size=7))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _Traversal(mode, model, pack, rows, Objective("sft", "token"), BatchTotals.of([rows])).run()  # .grad made
         embedding = model.model.embed_tokens.weight

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treepack.errors import InputError
-from treepack.io.ingest import SUPPORTED, read_rollouts
+from treepack.io.ingest import SUPPORTED_TEXT, read_rollouts
 from treepack.io.jsonl import iter_json_records
 
 RECORDS = [{"id": f"r{i}", "tree_id": i % 3, "input_ids": [1, 2, 3, i + 4, i + 5] * 20} for i in range(60)]
@@ -183,12 +183,12 @@ def test_directory_reads_every_supported_file_and_names_the_rest(tmp_path):
     assert out["n_sequences"] == 5
     assert out["skipped_files"] == [
         {"path": str(d / ".hidden.jsonl"), "reason": "hidden"},
-        {"path": str(d / "notes.txt"), "reason": f"not a rollout file (.txt; reading {', '.join(SUPPORTED)})"},
+        {"path": str(d / "notes.txt"), "reason": f"not a rollout file (.txt; reading {SUPPORTED_TEXT})"},
     ]
     assert r.err.splitlines() == [
         "skipped 2 files not read as rollouts:",
         f"  {d / '.hidden.jsonl'}: hidden",
-        f"  {d / 'notes.txt'}: not a rollout file (.txt; reading {', '.join(SUPPORTED)})",
+        f"  {d / 'notes.txt'}: not a rollout file (.txt; reading {SUPPORTED_TEXT})",
     ]
 
 
@@ -196,8 +196,8 @@ def test_directory_without_rollouts(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     r = run("stats", tmp_path)
     assert r.code == 1
-    assert r.err == (f"Error: {tmp_path}: directory has no rollout files ({', '.join(SUPPORTED)}); skipped "
-                     f"notes.txt: not a rollout file (.txt; reading {', '.join(SUPPORTED)})\n")
+    assert r.err == (f"Error: {tmp_path}: directory has no rollout files ({SUPPORTED_TEXT}); skipped "
+                     f"notes.txt: not a rollout file (.txt; reading {SUPPORTED_TEXT})\n")
 
 
 @pytest.mark.parametrize("command, what", [

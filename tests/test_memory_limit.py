@@ -113,7 +113,7 @@ TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.30 GiB. GPU 0 has a total 
     ("tree", ('lower data.capacity (a pack is the memory bound), use mode = "dfs" (its calls follow the memory), or '
              "turn on train.activation_checkpointing")),
     ("dense-leaf", "lower train.micro_batch_tokens, or turn on train.activation_checkpointing"),
-    ("dfs", ('set train.dfs_block_size = "auto" or a smaller block, lower train.logits_chunk, or turn on '
+    ("dfs", ('set train.dfs.block_size = "auto" or a smaller block, lower train.logits_chunk, or turn on '
             "train.activation_checkpointing")),
 ])
 def test_out_of_memory_is_one_line_with_what_lowers_the_peak(mode, remedy):
@@ -127,7 +127,7 @@ def test_out_of_memory_in_a_run_is_still_torchs_and_one_line(tmp_path, monkeypat
     and an error line, not a traceback, in the CLI."""
     from treepack.train import loop
 
-    def oom(cfg, packs, log):
+    def oom(*args):
         raise torch.OutOfMemoryError(TORCH_OOM)
 
     monkeypatch.setattr(loop, "_train", oom)

@@ -144,7 +144,7 @@ def test_cached_prefix_forward_equals_full_forward():
 
 
 def test_causal_chunks_and_kernel_chains_agree(monkeypatch):
-    import treepack.train.attention as attention_mod
+    import treepack.kernels.varlen.reference as attention_mod
 
     args = ModelArgs.for_family("llama", vocab_size=30, hidden_size=32, intermediate_size=48, num_layers=1,
                                 num_heads=4, num_kv_heads=2, head_dim=8)

@@ -51,7 +51,9 @@ def test_the_repository_root_shadows_no_package():
             "print('none' if s is None else s.origin)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
-    assert str(ROOT) not in out.stdout, out.stdout
+    origin = out.stdout.strip()
+    # Hugging Face's own package may be installed (in a .venv inside the checkout too); never a folder of ours
+    assert origin == "none" or "site-packages" in origin or not origin.startswith(str(ROOT)), origin
 
 
 def test_stats_runs_without_torch(tmp_path):

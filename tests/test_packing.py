@@ -113,7 +113,7 @@ def test_first_fit_is_areal_pack_for_pack(seqs, data):
 def _forest(seqs, capacity):
     r = rollouts_from(seqs)
     tree = PrefixTree.build(r)
-    return packing._Forest(tree, np.zeros(len(seqs), np.int64), capacity), tree
+    return packing.Forest(tree, np.zeros(len(seqs), np.int64), capacity), tree
 
 
 @settings(max_examples=100, deadline=None)

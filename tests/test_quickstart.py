@@ -1,5 +1,5 @@
 """The README's Quickstart is a test: every command of its block runs, on a CPU, in a temporary directory
-(``.venv`` and ``datasets`` linked in, as the repository root has them), and none may exit non-zero or
+(``.venv`` and ``treepack`` linked in, as the repository root has them), and none may exit non-zero or
 leave a file in the repository."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_every_quickstart_command_runs(tmp_path):
     if not (venv / "bin" / "treepack").exists():
         pytest.skip("no .venv with treepack installed (make install)")
     (tmp_path / ".venv").symlink_to(venv)
-    (tmp_path / "datasets").symlink_to(ROOT / "datasets")
+    (tmp_path / "treepack").symlink_to(ROOT / "treepack")  # the bundled samples
     before = sorted(p.name for p in ROOT.iterdir())
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # every line must run on a CPU
     commands = quickstart_commands()

@@ -184,19 +184,23 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("mode,options", [
     ("tree", {"attention": "reference"}),
-    ("dfs", {"attention": "reference", "dfs_block_size": 6, "dfs_order": "layout"}),
-    ("dfs", {"attention": "reference", "dfs_block_size": 6, "dfs_order": "backward"}),
+    ("dfs", {"attention": "reference", "dfs": {"block_size": 6, "order": "layout"}}),
+    ("dfs", {"attention": "reference", "dfs": {"block_size": 6, "order": "backward"}}),
 ], ids=["tree", "dfs-layout", "dfs-backward"])
 def test_loss_and_gradients_equal_on_the_relaid_pack(mode, options):
     """float64: loss, every row's log-prob (matched by sequence and position) and every parameter gradient
     on the largest-first pack equal those on the lexicographic pack within 1e-10, in tree mode and in dfs
-    mode walking the pack (its tree calls and, with dfs_order = layout, its leaf order follow the layout)."""
+    mode walking the pack (its tree calls and, with [train.dfs] order = layout, its leaf order follow the layout)."""
     torch = pytest.importorskip("torch")
     from test_equivalence import OBJECTIVES, make_pack, random_sequences, rel_diffs, run
 
+    from treepack.train.config import DfsConfig
     from treepack.train.losses import LossRows
     from treepack.train.model import Decoder
     from treepack.train.verify import tiny_model_args
+
+    if "dfs" in options:
+        options = {**options, "dfs": DfsConfig(**options["dfs"])}
 
     model = Decoder.random_init(tiny_model_args(13), seed=0, dtype=torch.float64)
     rng = np.random.default_rng(4)

@@ -1,4 +1,4 @@
-"""Shards: the exact round trip, the §6 arrays against independent computations, shard cutting, the
+"""Shards: the exact round trip, the design §6 arrays against independent computations, shard cutting, the
 manifest, and load balancing against brute force."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def assert_same_rollouts(a: Rollouts, b: Rollouts) -> None:
 
 
 def check_pack_arrays(pack, r: Rollouts) -> None:
-    """Every §6 array of a pack against an independent computation from parent chains."""
+    """Every design §6 array of a pack against an independent computation from parent chains."""
     T, n_real = pack.n_tokens, pack.n_real
     parent = pack.parent.tolist()
     mask = ancestor_mask(parent)

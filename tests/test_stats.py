@@ -1,4 +1,4 @@
-"""The §4 numbers against a naive dict trie, on random rollouts and on every real rollout file."""
+"""The design §4 numbers against a naive dict trie, on random rollouts and on every real rollout file."""
 
 from pathlib import Path
 
@@ -63,7 +63,7 @@ def naive_predicted(seqs, masks, scopes) -> tuple[int, int]:
 @settings(max_examples=200, deadline=None)
 @given(seqs=sequence_lists(max_seqs=15, max_len=10, vocab=3), data=st.data())
 def test_the_flop_models_head_rows_are_the_loss_targets(seqs, data):
-    """DESIGN §9 prices the head by predicted tokens, not all tokens: with a loss mask that is a function of the
+    """design §9 prices the head by predicted tokens, not all tokens: with a loss mask that is a function of the
     prefix (sequences sharing a token agree on it), the tree's rows are the distinct target nodes exactly."""
     from treepack.stats import predicted_tokens
 

@@ -149,7 +149,7 @@ def test_output_into_a_closed_pipe_exits_0(small, extra):
 
 def test_flop_speedup_counts_the_loss_targets_as_the_heads_rows(tmp_path):
     """stats keeps the loss masks (not the log-probs): the FLOP model's head rows are the targets, per sequence
-    flat and per distinct prefix in the tree (DESIGN §9), checked against a count by hand."""
+    flat and per distinct prefix in the tree (docs/design.md §9), checked against a count by hand."""
     from treepack.stats import MODEL_SHAPES
 
     recs = [{"input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 1, 1, 1]},

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import rollouts_from, sequence_lists
 
+from treepack.pack.packs import UnionSize
 from treepack.pack.strategies import pack_sequences
-from treepack.train.data import UnionSize, pack_rollouts
+from treepack.train.data import pack_rollouts
 from treepack.tree import PrefixTree
 
 

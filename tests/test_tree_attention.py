@@ -437,7 +437,8 @@ def test_flex_forward_matches_reference(P):
 def test_flex_backward_on_cpu_is_refused():
     q, k, v, _, _ = make_qkv(4, 2, 2, 16, dtype=torch.float32)
     q.requires_grad_()
-    with pytest.raises(RuntimeError, match=r"^impl='flex' has no backward on CPU"):
+    with pytest.raises(ValueError, match=r"^impl='flex': torch's FlexAttention has no backward on CPU; use "
+                                         r"'reference' or 'auto' there$"):
         tree_attention(q, k, v, torch.tensor([4, 4, 4, 4], dtype=torch.int32), impl="flex")
 
 

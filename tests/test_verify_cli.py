@@ -102,7 +102,7 @@ def test_verify_dfs_keep_tokens_takes_sizes(tmp_path, monkeypatch, text, tokens)
     real = verify_lib.make_mode
 
     def make_mode(name, **options):
-        seen.append(options["dfs_keep_tokens"])
+        seen.append(options["dfs"].keep_tokens)
         return real(name, **options)
 
     monkeypatch.setattr(verify_lib, "make_mode", make_mode)

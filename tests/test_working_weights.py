@@ -13,6 +13,7 @@ from test_train_cli import metrics, write_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from treepack.train import working_weights
+from treepack.train.config import DfsConfig
 from treepack.train.losses import BatchTotals, LossRows, Objective
 from treepack.train.model import Decoder, ModelArgs
 from treepack.train.modes import make_mode
@@ -31,7 +32,7 @@ def model_on(device: str, family: str = "qwen3") -> Decoder:
 
 def grads_after(model: Decoder, mode_name: str, packs, objective: Objective, device: str) -> dict[str, torch.Tensor]:
     """Parameter gradients after forward and backward of every pack (summed, as a step's packs are)."""
-    mode = make_mode(mode_name, attention="reference", dfs_block_size=9)  # deterministic on every device
+    mode = make_mode(mode_name, attention="reference", dfs=DfsConfig(block_size=9))  # deterministic on every device
     rows = [LossRows.from_pack(p) for p in packs]
     totals = BatchTotals.of(rows)
     model.zero_grad(set_to_none=True)
@@ -104,7 +105,7 @@ def test_head_and_embedding_gradients_go_into_grad_in_place(device, mode_name, f
     objective = Objective("grpo", "token")
     rows = [LossRows.from_pack(p) for p in packs]
     totals = BatchTotals.of(rows)
-    mode = make_mode(mode_name, attention="reference", dfs_block_size=9)
+    mode = make_mode(mode_name, attention="reference", dfs=DfsConfig(block_size=9))
     made = {}
     for working in (False, True):
         model = model_on(device, family)
@@ -154,7 +155,7 @@ def test_a_bf16_run_logs_the_same_steps_with_and_without(tmp_path, monkeypatch, 
     runs = {}
     for name, enabled in (("on", True), ("off", False)):
         monkeypatch.setattr(working_weights, "ENABLED", enabled)
-        extra = "dfs_block_size = 4\n" if mode_name == "dfs" else ""
+        extra = "[train.dfs]\nblock_size = 4\n" if mode_name == "dfs" else ""
         r = run("train", write_config(tmp_path, mode=mode_name, steps=4, out=name, dtype="bfloat16", extra=extra))
         assert r.code == 0, r.err
         runs[name] = [(m["loss"], m["grad_norm"]) for m in metrics(tmp_path / name)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from treepack.errors import TreepackError
+from treepack.errors import ConfigError, TreepackError
 
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "K": 1024, "M": 1024**2, "G": 1024**3}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
@@ -34,3 +34,24 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
     if value > MAX_SIZE:
         raise TreepackError(f"invalid {what} {text!r}: too large (at most 2**62 = {MAX_SIZE:,})")
     return value
+
+
+def parse_token_count(value, what: str, bad: str, negative: str) -> int:
+    """Tokens as an integer or a size such as "8K" (`parse_size`; "0k" is 0); negatives refused, with
+    `ConfigError`s that read ``{what} {bad}`` and ``{what} {negative}`` (formatted with ``value`` and ``tokens``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        tokens = value
+    else:
+        text = str(value).strip()
+        if text.lstrip("-").isdigit():
+            tokens = int(text)
+        else:
+            try:
+                tokens = parse_size(text, what=what)
+            except TreepackError:
+                if text[:1] == "0" and text.rstrip("kKMG").strip("0.") == "":
+                    return 0
+                raise ConfigError(f"{what} {bad.format(value=value)}") from None
+    if tokens < 0:
+        raise ConfigError(f"{what} {negative.format(tokens=tokens)}")
+    return tokens

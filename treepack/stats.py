@@ -1,4 +1,4 @@
-"""The numbers of DESIGN §4 for a prefix tree, the FLOP model, and the CI data-quality gate.
+"""The numbers of docs/design.md §4 for a prefix tree, the FLOP model, and the CI data-quality gate.
 
 - ``compression`` C = N_flat / N_tree; ``por`` = 1 - N_tree / N_flat (the prefix-sharing rate);
 - ``c_leaf`` = tokens of the distinct sequences that are not a proper prefix of another / N_tree;
@@ -159,7 +159,7 @@ class TreeStats:
 
 
 def predicted_tokens(tree: PrefixTree, rollouts: Rollouts | None) -> tuple[int, int]:
-    """The head's rows of the FLOP model (DESIGN §9's predicted tokens): loss targets, position 0 of a sequence
+    """The head's rows of the FLOP model (design §9's predicted tokens): loss targets, position 0 of a sequence
     excluded (nothing predicts it), per sequence flat; per trie token in the tree, counted at the first
     sequence in DFS order through it (exact where the sequences sharing a token agree on its loss mask). Without
     a loss mask (or without the rollouts) every token is a target."""
@@ -188,7 +188,7 @@ def compute_stats(
     model: str = DEFAULT_MODEL,
     top_groups: int = 10,
 ) -> TreeStats:
-    """All §4 numbers of a built tree. ``rollouts`` (the batch the tree was built from) adds the skipped-record
+    """All design §4 numbers of a built tree. ``rollouts`` (the batch the tree was built from) adds the skipped-record
     counts and its loss masks, which the FLOP model's head counts as the trained tokens (all tokens without
     it); ``model``: a name of `MODEL_SHAPES`."""
     if model not in MODEL_SHAPES:

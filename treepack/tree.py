@@ -30,7 +30,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from treepack.errors import InputError
-from treepack.io.rollouts import Rollouts, _ranges
+from treepack.io.rollouts import Rollouts, ranges
 from treepack.io.sequences import check_token_buffer
 
 SCOPES = ("none", "tree_id", "step")
@@ -220,7 +220,7 @@ def _first_difference(tokens: np.ndarray, a: np.ndarray, b: np.ndarray, width: n
     """Index of the first difference of ``tokens[a:a+width]`` and ``tokens[b:b+width]`` (width if none)."""
     seg = np.cumsum(width) - width  # every width is >= 1
     local = np.arange(int(width.sum()), dtype=np.int64) - np.repeat(seg, width)
-    differs = tokens[_ranges(a, width)] != tokens[_ranges(b, width)]
+    differs = tokens[ranges(a, width)] != tokens[ranges(b, width)]
     return np.minimum.reduceat(np.where(differs, local, np.repeat(width, width)), seg)
 
 
@@ -351,11 +351,11 @@ class PrefixTree:
     def token_ids(self) -> np.ndarray:
         """int32 [M] trie tokens in DFS preorder."""
         src = self.offsets[:-1][self.order] + self.lcp
-        return self.tokens[_ranges(src, self.lengths - self.lcp)]
+        return self.tokens[ranges(src, self.lengths - self.lcp)]
 
     def token_depth(self) -> np.ndarray:
         """int32 [M] depth (= original position) of each trie token."""
-        return _ranges(self.lcp, self.lengths - self.lcp).astype(np.int32)
+        return ranges(self.lcp, self.lengths - self.lcp).astype(np.int32)
 
     def token_parent(self) -> np.ndarray:
         """int32 [M] layout index of each token's parent (-1 at roots)."""

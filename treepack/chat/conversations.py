@@ -37,6 +37,7 @@ from treepack.chat.sources import (
     toolbench_paths,
 )
 from treepack.errors import InputError
+from treepack.io.json_values import unwritable
 from treepack.io.jsonl import json_error_text
 from treepack.io.streams import StreamError, iter_blocks
 
@@ -336,7 +337,8 @@ def iter_raw(path: str) -> Iterator[Raw]:
     as_json = path.endswith((".json", ".json.gz")) or (first == "[" and not path.endswith((".jsonl", ".jsonl.gz")))
     records = _iter_json(text) if as_json else _iter_jsonl(text)
     for where, index, rec, span in records:
-        yield where, index, rec, span * scale
+        bad = unwritable(rec) if isinstance(rec, dict) else None  # NaN, Infinity, a lone surrogate: refused by name
+        yield where, index, RecordError(*bad) if bad else rec, span * scale
 
 
 def _iter_jsonl(text: str) -> Iterator[Raw]:

@@ -22,6 +22,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("tokenize", "treepack.cli.tokenize", "tokenize"),
     ("pack", "treepack.cli.pack", "pack"),
     ("unpack", "treepack.cli.unpack", "unpack"),
+    ("check", "treepack.cli.check", "check"),
     ("plot", "treepack.cli.plot", "plot"),
     ("report", "treepack.cli.report", "report"),
     ("synth", "treepack.cli.synth", "synth"),

@@ -136,24 +136,43 @@ def share(a: int, b: int) -> str:
 
 def render_drift(summary: dict, *, examples: bool = True) -> None:
     """The drift report as tables: one row per input, then the first divergences with their text."""
-    t = Table(title="retokenization drift (turn t's record not a prefix of turn t+1's; POR shared within each "
-                    "conversation, whatever --group-by says)", title_justify="left", header_style="bold")
-    for name, justify in (("input", "left"), ("conversations", "right"), ("turn pairs drifted", "right"),
-                          ("text / tokens", "right"), ("in history / turn / after", "right"),
-                          ("tokens lost", "right"), ("POR as rendered", "right"), ("POR if consistent", "right"),
-                          ("keep-prefix records differ", "right")):
-        t.add_column(name, justify=justify)
+    title = ("retokenization drift (turn t's record not a prefix of turn t+1's; POR shared within each "
+             "conversation, whatever --group-by says)")
+    heads = ("input", "conversations", "turn pairs drifted", "text / tokens", "in history / turn / after",
+             "tokens lost", "POR as rendered", "POR if consistent", "keep-prefix records differ")
     rows = list(summary["inputs"].items())
     if len(rows) > 1:
         rows.append(("all", summary))
+    cells = []
     for name, d in rows:
         k, w = d["kinds"], d["wheres"]
-        t.add_row(Path(name).name if name != "all" else "all", f"{d['conversations']:,}", share(d["drifted"], d["pairs"]),
-                  f"{k.get('text', 0):,} / {k.get('tokens', 0):,}",
-                  f"{w.get('history', 0):,} / {w.get('turn', 0):,} / {w.get('after', 0):,}", f"{d['tokens_lost']:,}",
-                  f"{d['por']:.4f}", f"{d['consistent_por']:.4f}" if "consistent_por" in d else "-",
-                  share(d["records_differ"], d["records"]) if "consistent_por" in d else "-")
-    console.print(t)
+        cells.append([Path(name).name if name != "all" else "all", f"{d['conversations']:,}",
+                      share(d["drifted"], d["pairs"]), f"{k.get('text', 0):,} / {k.get('tokens', 0):,}",
+                      f"{w.get('history', 0):,} / {w.get('turn', 0):,} / {w.get('after', 0):,}", f"{d['tokens_lost']:,}",
+                      f"{d['por']:.4f}", f"{d['consistent_por']:.4f}" if "consistent_por" in d else "-",
+                      share(d["records_differ"], d["records"]) if "consistent_por" in d else "-"])
+    wide = sum(max(len(h), *(len(c[i]) for c in cells)) + 3 for i, h in enumerate(heads)) + 1
+    tall = max(map(len, heads)) + sum(max(map(len, c)) + 3 for c in cells) + 4
+    if wide <= console.width:  # one row per input
+        t = Table(title=title, title_justify="left", header_style="bold")
+        for i, name in enumerate(heads):
+            t.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
+        for row in cells:
+            t.add_row(*row)
+        tables = [t]
+    else:  # a narrow terminal: one column per input (or a table per input), every number whole
+        groups = [cells] if tall <= console.width else [[c] for c in cells]
+        tables = []
+        for group in groups:
+            t = Table(title=title if not tables else None, title_justify="left", header_style="bold")
+            t.add_column("", overflow="fold")
+            for row in group:
+                t.add_column(row[0], justify="right", no_wrap=True, overflow="fold")
+            for i, name in enumerate(heads[1:], start=1):
+                t.add_row(name, *(row[i] for row in group))
+            tables.append(t)
+    for t in tables:
+        console.print(t)
     if not examples:
         return
     for ev in summary["examples"]:

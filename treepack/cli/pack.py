@@ -12,19 +12,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from treepack.cli.common import (
-    Render,
     check_choice,
     check_output_path,
     console,
     err_console,
     handle_errors,
-    nothing_read,
 )
 from treepack.cli.inputs import (
-    KEEP_PREFIX_HELP,
-    TOKENIZER_HELP,
-    chat_input,
-    load_with_progress,
+    ON_ERROR,
+    Inputs,
+    reads_inputs,
     report_oversize,
     report_skipped_records,
     size_option,
@@ -46,9 +43,8 @@ def _status(message: str, hidden: bool):
 
 
 @handle_errors
+@reads_inputs(quiet="No progress bars.")
 def pack(
-    ctx: typer.Context,
-    files: list[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
     capacity: str = typer.Option(..., "--capacity", "-c", help="Max tokens per pack: 60k (=60,000), 64K (=65,536), 1M or an integer."),
     output: str = typer.Option(..., "--output", "-o", help="Output directory for the shards and manifest.json."),
     strategy: str = typer.Option("best", "--strategy", help=f"Packing strategy: {', '.join(STRATEGIES)}."),
@@ -59,16 +55,7 @@ def pack(
     model: str = typer.Option(DEFAULT_MODEL, "--model", help=f"Model shape for --balance-cost flops: {', '.join(MODEL_SHAPES)}."),
     oversize: str = typer.Option("error", "--oversize", help="A sequence longer than the capacity: error (default) or skip (drop and count)."),
     group_by: str = typer.Option("none", "--group-by", help="Sharing scope: none (whole input) or tree_id."),
-    tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
-    tokenizer: Path | None = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
-    keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help=KEEP_PREFIX_HELP),
-    turns: str = Render.turns,
-    reasoning: str = Render.reasoning,
-    no_system: bool = Render.no_system,
-    no_tools: bool = Render.no_tools,
-    template_arg: list[str] = Render.template_arg,
-    on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+    inputs: Inputs = None,
 ) -> None:
     """Pack rollouts into prefix-tree packs of at most --capacity tokens: Parquet shards + manifest.json."""
     cap = size_option(capacity, "--capacity", "capacity")
@@ -76,7 +63,7 @@ def pack(
     check_choice(oversize, OVERSIZE, "--oversize")
     check_choice(group_by, ("none", "tree_id"), "--group-by")
     check_choice(balance_cost, BALANCE_COSTS, "--balance-cost")
-    check_choice(on_error, ("raise", "skip"), "--on-error")
+    check_choice(inputs.on_error, ON_ERROR, "--on-error")
     check_choice(model, MODEL_SHAPES, "--model")
     if pad_to is not None and pad_to <= 0:
         raise typer.BadParameter(f"must be positive, got {pad_to}", param_hint="--pad-to")
@@ -91,8 +78,8 @@ def pack(
     pack_cap = cap if pad_to is None else cap // pad_to * pad_to
     if pack_cap <= 0:
         raise typer.BadParameter(f"--pad-to {pad_to} is larger than the capacity {cap:,}", param_hint="--pad-to")
-    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, ctx, turns=turns, reasoning=reasoning,
-                      no_system=no_system, no_tools=no_tools, template_arg=template_arg)
+    chat = inputs.chat()
+    files, quiet = inputs.files, inputs.quiet
     if output == "-":
         raise typer.BadParameter("pack writes a directory of shards, not a stream: name one", param_hint="--output")
     check_output_path(output, files, inside_inputs=True)  # the readers skip a pack directory
@@ -100,10 +87,7 @@ def pack(
     check_output_dir(out)  # before the work, not after it
 
     t0 = time.perf_counter()
-    rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,
-                                  tokenizer=tokenizer, chat=chat, keep_records=True)
-    if len(rollouts) == 0:
-        raise nothing_read(files, "sequences to pack", rollouts)
+    rollouts = inputs.read("sequences to pack", chat, keep_records=True)
     t_read = time.perf_counter() - t0
     with _status(f"packing {rollouts.n_tokens:,} tokens ({strategy})", quiet or rollouts.n_tokens < PROGRESS_MIN_TOKENS):
         tree = PrefixTree.build(rollouts, group_by=group_by)
@@ -114,13 +98,10 @@ def pack(
         raise InputError(f"no sequence fits the capacity {pack_cap:,}: all {p.n_oversize_skipped:,} are longer")
     options = {"--capacity": capacity, "-o": output, "--strategy": strategy, "--pad-to": pad_to,
                "--shard-size": shard_size, "--balance": balance, "--balance-cost": balance_cost, "--model": model,
-               "--oversize": oversize, "--group-by": group_by, "--tokens-field": tokens_field, "--on-error": on_error,
-               "--tokenizer": tokenizer, "--keep-prefix-tokens": keep_prefix_tokens or None, "--turns": turns,
-               "--reasoning": reasoning, "--no-system": no_system or None, "--no-tools": no_tools or None,
-               "--template-arg": template_arg}  # a list: the option once per value
+               "--oversize": oversize, "--group-by": group_by,
+               **inputs.command_line()}  # --template-arg: a list, the option once per value
     defaults = {"--strategy": "best", "--shard-size": DEFAULT_SHARD_SIZE, "--balance-cost": "tokens",
-                "--model": DEFAULT_MODEL, "--oversize": "error", "--group-by": "none", "--on-error": "raise",
-                "--turns": Render.turns.default, "--reasoning": Render.reasoning.default}
+                "--model": DEFAULT_MODEL, "--oversize": "error", "--group-by": "none", **Inputs.DEFAULTS}
     command = " ".join(["treepack pack", *map(_quote, files)] + [
         k if x is True else f"{k} {_quote(str(x))}" for k, v in options.items() if v is not None and defaults.get(k) != v
         for x in (v if isinstance(v, list) else [v])])
@@ -129,7 +110,7 @@ def pack(
     if chat is not None:  # the tokenizer (and a hash of its files) and options that made the records
         from treepack.cli.chat_inputs import rendering
 
-        kwargs["rendering"] = rendering(tokenizer, chat)
+        kwargs["rendering"] = rendering(inputs.tokenizer, chat)
     if quiet or p.n_packs < PROGRESS_MIN_PACKS:
         manifest = write_shards(rollouts, p, out, **kwargs)
     else:

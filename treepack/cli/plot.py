@@ -6,14 +6,13 @@ from pathlib import Path
 
 import typer
 
-from treepack.cli.common import Render, check_choice, console, err_console, handle_errors, nothing_read
+from treepack.cli.common import check_choice, console, err_console, handle_errors
 from treepack.cli.inputs import (
-    KEEP_PREFIX_HELP,
     MAX_DPI,
-    TOKENIZER_HELP,
-    chat_input,
+    ON_ERROR,
+    Inputs,
     check_dpi,
-    load_with_progress,
+    reads_inputs,
     report_oversize,
     report_skipped_records,
     size_option,
@@ -30,9 +29,8 @@ def check_output(path: Path, param: str = "--output") -> None:
 
 
 @handle_errors
+@reads_inputs(quiet="No progress bar, no 'wrote' line.")
 def plot(
-    ctx: typer.Context,
-    files: list[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
     output: Path = typer.Option(..., "--output", "-o", help="Figure file: .png, .svg or .pdf."),
     kind: str = typer.Option("tree", "--kind", "-k", help=f"Figure: {', '.join(KINDS)}."),
     group: str | None = typer.Option(None, "--group", help="tree: the tree_id to draw (default: the one saving most tokens)."),
@@ -42,22 +40,13 @@ def plot(
     oversize: str = typer.Option("error", "--oversize", help="packs: sequences longer than the capacity: error or skip."),
     max_nodes: int = typer.Option(MAX_TREE_NODES, "--max-nodes", help="tree: summarise trees with more nodes than this."),
     dpi: int = typer.Option(DEFAULT_DPI, "--dpi", help=f"Resolution of PNG output (dots per inch, 10 to {MAX_DPI})."),
-    tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
-    tokenizer: Path | None = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
-    keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help=KEEP_PREFIX_HELP),
-    turns: str = Render.turns,
-    reasoning: str = Render.reasoning,
-    no_system: bool = Render.no_system,
-    no_tools: bool = Render.no_tools,
-    template_arg: list[str] = Render.template_arg,
-    on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, no 'wrote' line."),
+    inputs: Inputs = None,
 ) -> None:
     """Draw a figure: the prefix tree of a group, active sequences by position, pack fill, or histograms."""
     check_choice(kind, KINDS, "--kind")
     check_output(output)
     check_choice(group_by, ("none", "tree_id"), "--group-by")
-    check_choice(on_error, ("raise", "skip"), "--on-error")
+    check_choice(inputs.on_error, ON_ERROR, "--on-error")
     check_choice(strategy, STRATEGIES, "--strategy")
     check_choice(oversize, OVERSIZE, "--oversize")
     if kind == "packs" and capacity is None:
@@ -72,12 +61,7 @@ def plot(
     check_dpi(dpi)
     cap = size_option(capacity, "--capacity", "capacity") if capacity is not None else None
 
-    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, ctx, turns=turns, reasoning=reasoning,
-                      no_system=no_system, no_tools=no_tools, template_arg=template_arg)
-    rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,
-                                  tokenizer=tokenizer, chat=chat)
-    if len(rollouts) == 0:
-        raise nothing_read(files, "sequences to plot", rollouts)
+    rollouts = inputs.read("sequences to plot", inputs.chat())
     report_skipped_records(rollouts)
     tree = PrefixTree.build(rollouts, group_by=group_by)
     packing = None
@@ -87,9 +71,9 @@ def plot(
     from treepack.viz.plots import figure, save, source_label
 
     fig = figure(kind, rollouts, tree=tree, group_by=group_by, group=group, packing=packing,
-                 source=source_label(files), max_nodes=max_nodes)
+                 source=source_label(inputs.files), max_nodes=max_nodes)
     path = save(fig, output, dpi=dpi)
-    if not quiet:
+    if not inputs.quiet:
         w, h = fig.get_size_inches()
         size = f" ({round(w * dpi)} x {round(h * dpi)} px)" if path.suffix.lower() == ".png" else ""
         console.print(f"wrote {path}{size}", markup=False)

@@ -9,15 +9,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from treepack.cli.common import Render, check_choice, console, err_console, handle_errors, nothing_read
-from treepack.cli.inputs import (
-    KEEP_PREFIX_HELP,
-    TOKENIZER_HELP,
-    chat_input,
-    load_with_progress,
-    report_oversize,
-    size_option,
-)
+from treepack.cli.common import check_choice, console, err_console, handle_errors, nothing_read
+from treepack.cli.inputs import ON_ERROR, TOKENIZER_HELP, Inputs, reads_inputs, report_oversize, size_option
 from treepack.errors import TreepackError
 from treepack.io.rollouts import Rollouts
 from treepack.pack.shard_reader import pack_dir_of
@@ -82,18 +75,9 @@ def render_strategies(strategies: dict, st: TreeStats) -> None:
 
 
 @handle_errors
+@reads_inputs(quiet="No progress bar.", tokenizer=TOKENIZER_HELP + " Adds the drift report.")
 def stats(
-    ctx: typer.Context,
-    files: list[str] = typer.Argument(..., help="Rollout files: .jsonl, .jsonl.gz, .parquet, a directory, or - for stdin."),
-    tokens_field: str | None = typer.Option(None, "--tokens-field", help="Column holding the token ids."),
-    tokenizer: Path | None = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP + " Adds the drift report."),
-    keep_prefix_tokens: bool = typer.Option(False, "--keep-prefix-tokens", help=KEEP_PREFIX_HELP),
-    turns: str = Render.turns,
-    reasoning: str = Render.reasoning,
-    no_system: bool = Render.no_system,
-    no_tools: bool = Render.no_tools,
-    template_arg: list[str] = Render.template_arg,
-    on_error: str = typer.Option("raise", "--on-error", help="raise: stop at the first bad record; skip: count and skip."),
+    inputs: Inputs = None,
     group_by: str = typer.Option("none", "--group-by", help="Sharing scope: none (whole input) or tree_id."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help=f"Model shape for the FLOP model: {', '.join(MODEL_SHAPES)}."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
@@ -107,10 +91,9 @@ def stats(
     compare_strategies: bool = typer.Option(False, "--compare-strategies", help="With --capacity: ERR, packs and time of every strategy side by side."),
     oversize: str = typer.Option("error", "--oversize", help="With --capacity, a sequence longer than it: error or skip."),
     plot_dir: Path | None = typer.Option(None, "--plot", help="Also write the figures (tree, active, hist, packs) as PNGs into this directory."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Compression rate C, POR, C_leaf, C_attn and the shape of the prefix trees; exit 1 if a gate fails."""
-    check_choice(on_error, ("raise", "skip"), "--on-error")
+    check_choice(inputs.on_error, ON_ERROR, "--on-error")
     check_choice(group_by, ("none", "tree_id"), "--group-by")
     if model not in MODEL_SHAPES:
         raise typer.BadParameter(f"unknown model {model!r}; known: {', '.join(MODEL_SHAPES)}", param_hint="--model")
@@ -129,18 +112,17 @@ def stats(
         if value is not None and cap is None:
             raise typer.BadParameter("needs --capacity", param_hint=flag)
     # stats (and its packing and figures) read tokens and loss masks: log-probs are validated, not kept
-    chat = chat_input(tokenizer, keep_prefix_tokens, tokens_field, ctx, turns=turns, reasoning=reasoning,
-                      no_system=no_system, no_tools=no_tools, template_arg=template_arg)
+    chat = inputs.chat()
+    files, quiet = inputs.files, inputs.quiet
     drift = None
     if chat is None:
-        rollouts = load_with_progress(files, tokens_field=tokens_field, on_error=on_error, quiet=quiet,
-                                      keep_token_fields=False)
+        rollouts = inputs.load(keep_token_fields=False)
     else:  # chat transcripts: the records as tokenize makes them, and the drift report
         from treepack.cli.chat_inputs import drift_summary, load_chats, rendering
 
-        recs = load_chats(files, tokenizer, chat, on_error=on_error, quiet=quiet, consistent=True)
+        recs = load_chats(files, inputs.tokenizer, chat, on_error=inputs.on_error, quiet=quiet, consistent=True)
         rollouts, drift = recs.rollouts, drift_summary(recs)
-        drift["rendering"] = rendering(tokenizer, chat)  # what made these records: --json says how to redo them
+        drift["rendering"] = rendering(inputs.tokenizer, chat)  # what made these records: --json says how to redo them
     if len(rollouts) == 0:
         raise nothing_read(files, "sequences to analyse", rollouts)
     tree = PrefixTree.build(rollouts, group_by=group_by)

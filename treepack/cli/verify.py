@@ -20,6 +20,10 @@ from rich.table import Table
 from treepack.cli.common import check_choice, console, err_console, handle_errors
 from treepack.cli.inputs import report_skipped_files, size_option
 from treepack.errors import TreepackError
+from treepack.kernels.tree_attention import registry
+from treepack.train.config import DfsConfig
+
+DFS = DfsConfig()  # the dfs options' defaults: training's [train.dfs]
 
 
 def plural(n: int, word: str) -> str:
@@ -162,13 +166,13 @@ PACK_STRATEGY = "best"  # `treepack pack`'s default --strategy: verify checks th
 
 def check_kernel(attention: str, config: Path | None, cfg, device: str, dtype: str) -> None:
     """Usage error (exit 2) before any work when the tree kernel named cannot run on this device in this dtype
-    for the model's head shape (`treepack train`'s check): flex, triton or fa4 on a CPU, fa4 in float64, ..."""
-    if attention not in ("flex", "triton", "fa4"):
+    for the model's head shape, with its backward (the registry's reason): flex, triton or fa4 on a CPU, fa4 in
+    float64, ..."""
+    if attention == "auto":
         return
     import torch
 
     from treepack.train.architecture import ModelArgs
-    from treepack.train.loop import check_attention
     from treepack.train.verify import DTYPES, tiny_model_args
 
     if config is None:
@@ -181,11 +185,10 @@ def check_kernel(attention: str, config: Path | None, cfg, device: str, dtype: s
             return
     else:
         args = SimpleNamespace(num_heads=cfg.model.num_heads, head_dim=cfg.model.head_dim)
-    try:
-        check_attention(attention, SimpleNamespace(args=args), torch.device(device), DTYPES[dtype])
-    except TreepackError as exc:
-        reason = str(exc).removeprefix(f"train.attention = '{attention}': ")
-        raise typer.BadParameter(f"{attention!r} cannot run here: {reason}", param_hint="--attention") from None
+    call = registry.AttentionCall(torch.device(device), DTYPES[dtype], args.num_heads, args.head_dim, grad=True)
+    reason = registry.unsupported_reason("tree", attention, call)
+    if reason is not None:
+        raise typer.BadParameter(f"{attention!r} cannot run here: {reason}", param_hint="--attention")
 
 
 @handle_errors
@@ -199,13 +202,13 @@ def verify(
     normalization: str = typer.Option("token", "--normalization", help="token | sequence."),
     packs: int = typer.Option(1, "--packs", help="Verify the first N packs (0 = all)."),
     capacity: str = typer.Option("16k", "--capacity", help="Pack capacity when packing rollout files (as treepack pack --capacity)."),
-    attention: str = typer.Option("auto", "--attention", help="Tree kernel: auto | reference | flex | triton | fa4."),
+    attention: str = typer.Option("auto", "--attention", help=f"Tree kernel: {' | '.join(registry.names('tree'))}."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random model (and of synthetic advantages)."),
     micro_batch_tokens: str = typer.Option("0", "--micro-batch-tokens", help="dense modes: most tokens forwarded at once (0 = each pack's size)."),
-    dfs_block_size: str = typer.Option("2048", "--dfs-block-size", help="dfs: most tokens forwarded with grad at once: tokens (8192, 8K), 0 = unlimited, or auto (as train.dfs_block_size)."),
-    dfs_keep_tokens: str = typer.Option("0", "--dfs-keep-tokens", help="dfs: shared segments kept with their graph instead of re-forwarded: tokens (4096, 4K), 0 = off (as train.dfs_keep_tokens)."),
-    dfs_walk: bool = typer.Option(False, "--dfs-walk", help="dfs: walk leaf by leaf (AReaL-DTA) instead of one call per subtree that fits a block."),
+    dfs_block_size: str = typer.Option(DFS.block_size, "--dfs-block-size", help="dfs: most tokens forwarded with grad at once: tokens (8192, 8K), 0 = unlimited, or auto (as [train.dfs] block_size)."),
+    dfs_keep_tokens: str = typer.Option(str(DFS.keep_tokens), "--dfs-keep-tokens", help="dfs: shared segments kept with their graph instead of re-forwarded: tokens (4096, 4K), 0 = off (as [train.dfs] keep_tokens)."),
+    dfs_walk: bool = typer.Option(not DFS.subtree_calls, "--dfs-walk", help="dfs: walk leaf by leaf (AReaL-DTA) instead of one call per subtree that fits a block (as [train.dfs] subtree_calls = false)."),
     compile_: bool = typer.Option(False, "--compile", help="Run the compiled (torch.compile) regions as training on CUDA does (needs --device cuda and a dtype below float64); slower to start."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
@@ -244,13 +247,13 @@ def verify(
         keep = parse_dfs_keep(dfs_keep_tokens, "--dfs-keep-tokens")
     except ConfigError as exc:
         raise typer.BadParameter(str(exc).removeprefix("--dfs-keep-tokens "), param_hint="--dfs-keep-tokens") from None
-    mode_options = {"dfs_block_size": block, "dfs_keep_tokens": keep, "dfs_subtree_calls": not dfs_walk,
-                    "micro_batch_tokens": micro or None}
+    dfs = DfsConfig(block_size=block, keep_tokens=keep, subtree_calls=not dfs_walk)
+    mode_options = {"dfs": dfs, "micro_batch_tokens": str(micro) if micro else ""}
     for m in mode_list:
         make_mode(m, **mode_options)  # unknown modes and bad options fail here, before any work
     check_choice(baseline, BASELINES, "--baseline")
     check_choice(dtype, DTYPES, "--dtype")
-    check_choice(attention, ("auto", "reference", "flex", "triton", "fa4"), "--attention")
+    check_choice(attention, registry.names("tree"), "--attention")
     check_choice(device, ("cpu", "cuda"), "--device")
     if device == "cuda" and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available", param_hint="--device")

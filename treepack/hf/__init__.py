@@ -11,7 +11,8 @@ model's per-sequence forward. Modules: `logprobs` (token_logprobs; padded_logpro
 (pack_logprobs), `batch` (TreeBatch), `attention` (the attention and mask functions), `support`
 (which models, refused by name otherwise), `check` (the self-check, exact_float64), `losses`, `data`
 (PackDataset), `parallel` (each rank's packs and the global normaliser), `trainer` (``treepack train``
-with ``model.source = "hf"``). torch and transformers are imported here and nowhere below train/.
+with ``model.source = "hf"``); `trl` and `verl` (TRL's GRPOTrainer and verl's actor, tree-packed; imported
+only by name, they need those libraries). torch and transformers are imported here and nowhere below train/.
 """
 
 from treepack.hf.attention import IMPLEMENTATION, TreeAttentionError, register

@@ -25,8 +25,10 @@ tree mask in the model's plain sdpa/eager function.
 
 Backends: the Triton tree kernel (CUDA; bf16/fp16/fp32, head dims 32/64/128), FlexAttention (CUDA; any
 head dim, plus sliding window and soft-capping as ``mask_mod``/``score_mod``), and pure torch (CPU: the
-kernels' reference, or a masked reference here with window and soft-cap). ``auto`` = Triton where it
-applies, else Flex on CUDA; reference on CPU. A window no path is long enough to reach (max depth < W)
+kernels' reference, or a masked reference here with window and soft-cap). Which one runs is the kernels'
+registry's answer (`treepack.kernels.tree_attention.registry.resolve`, the same as training's): ``auto`` =
+FA4 or Triton where they apply, else Flex on CUDA (any head dim: ``fallback="flex"``); Flex in 16-bit and
+the masked reference otherwise for a window or soft-cap; reference on CPU. A window no path is long enough to reach (max depth < W)
 is dropped exactly, so Mistral/Phi-3 style windows of 4k keep the Triton kernel on shorter packs.
 
 Legend: T pack tokens, H query heads, K key/value heads, G = H // K, E head dim, C queries of a chunk,
@@ -46,10 +48,11 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+import treepack.train.attention  # noqa: F401 - registers the causal family's sdpa: every backend name is known
 from treepack.errors import TreepackError
+from treepack.kernels.tree_attention import registry
 
 IMPLEMENTATION = "treepack"  # the attn_implementation name registered with transformers
-ATTENTION = ("auto", "reference", "flex", "triton", "fa4")
 # Keywords models pass to attention functions that carry no math for a tree forward without a cache.
 _INERT_KWARGS = frozenset({
     "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
@@ -87,8 +90,10 @@ class TreeMask:
 
     @classmethod
     def build(cls, subtree_end_T: Tensor, depth_T: Tensor, impl: str = "auto") -> TreeMask:
-        if impl not in ATTENTION:
-            raise TreeAttentionError(f"attention must be one of {', '.join(ATTENTION)}, got {impl!r}")
+        try:
+            registry.check("tree", impl)
+        except registry.BackendError as exc:
+            raise TreeAttentionError(str(exc)) from None
         max_depth = int(depth_T.max()) if depth_T.numel() else 0
         return cls(subtree_end_T.to(torch.int32), depth_T.to(torch.int64), impl, max_depth)
 
@@ -261,28 +266,21 @@ def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, at
 
 def tree_attention_any(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, mask: TreeMask, *, scale: float,
                        window: int | None = None, softcap: float | None = None) -> Tensor:
-    """Tree attention with optional depth window and soft-cap, on the backend ``mask.impl`` resolves to."""
+    """Tree attention with optional depth window and soft-cap, on the backend the registry resolves
+    ``mask.impl`` to for this call (``auto``: see the module doc)."""
     from treepack.kernels import tree_attention
-    from treepack.kernels.tree_attention.api import triton_unsupported_reason
 
-    impl, plain = mask.impl, window is None and softcap is None
-    on_cuda = q_THE.device.type == "cuda"
-    if impl == "auto":
-        if not on_cuda:
-            impl = "reference"
-        elif plain:  # the kernels' own choice per call (FA4 when installed and the call is large, else Triton)
-            impl = "auto" if triton_unsupported_reason(q_THE) is None else "flex"
-        else:
-            # Soft-cap / window: FlexAttention in half precision. In float32 its compiled kernels failed to
-            # lower for a soft-capped Gemma 2 (torch 2.11, H100), so float32 takes the chunked torch path.
-            impl = "flex" if q_THE.dtype in (torch.bfloat16, torch.float16) else "reference"
-    if impl in ("triton", "fa4") and not plain:
-        raise TreeAttentionError(f"attention={impl!r}: the {impl} tree kernel has no sliding window or soft-capping; "
-                                 "use attention='flex' (CUDA) or 'auto'")
+    plain = window is None and softcap is None
+    call = registry.AttentionCall.of(q_THE, k_TKE, v_TKE, window=window is not None, softcap=softcap is not None,
+                                     fallback="flex")
+    try:
+        impl = registry.resolve("tree", mask.impl, call).name
+    except registry.BackendError as exc:
+        raise TreeAttentionError(f"attention={mask.impl!r}: {exc.reason}") from None
     if impl == "flex":
-        if not on_cuda and torch.is_grad_enabled() and q_THE.requires_grad:
-            raise TreeAttentionError("attention='flex' has no backward on CPU; use 'reference' or 'auto'")
         return _flex(q_THE, k_TKE, v_TKE, mask, scale, window, softcap)
+    if mask.impl == "auto" and impl in ("triton", "fa4"):
+        impl = "auto"  # the kernels choose per call between the two, sized by the pack's visible pairs
     if impl == "reference" and not plain:
         return masked_reference(q_THE, k_TKE, v_TKE, mask.subtree_end_T, mask.depth_T, scale=scale, window=window,
                                 softcap=softcap)

@@ -7,8 +7,8 @@ fields (paths, loss masks, behaviour log-probs, advantages) in the pack's sequen
 pack token, read at its parent, gathered per sequence on demand, so a token shared by k sequences is
 computed once and its gradient is the sum of the k sequences' (Tree Training's gradient restoration).
 
-`plan_packs` turns token lists into packs: one pack of all of them, or treepack's ``best`` packing at a
-capacity (`treepack.pack.strategies.pack_sequences`: N_pack close to N_tree, ERR close to POR).
+`plan_packs` turns token lists into packs through `treepack.pack.pack_rollouts` (docs/design.md §5): one pack
+of all of them, or treepack's ``best`` packing at a capacity (N_pack close to N_tree, ERR close to POR).
 
 Legend: T pack tokens, S sequences, F their flat tokens (sum of lengths), R targets (F - S).
 """
@@ -22,10 +22,7 @@ import torch
 from torch import Tensor
 
 from treepack.io.sequences import rollouts_of
-from treepack.pack.layout import Pack, build_pack
-
-# a sequence over the capacity: what a library caller can change (the CLI's hint names --oversize)
-CAPACITY_HINT = "raise capacity, or pass capacity=None to forward every sequence in one pack"
+from treepack.pack.layout import Pack
 
 # --------------------------------------------------------------------------------------------------
 # One pack as tensors
@@ -114,7 +111,7 @@ class PackLogprobs:
     batch: TreeBatch  # on the model's device
     logp_T: Tensor  # [T] float32 (float64 for float64 models); 0 where not computed (roots, padding)
     computed_T: Tensor  # bool [T] which tokens were computed
-    entropy_T: Tensor | None = None  # [T] predictive entropy at the parent (no grad), when asked
+    entropy_T: Tensor | None = None  # [T] predictive entropy at the parent, when asked
     extra: dict = field(default_factory=dict)
 
     def targets(self) -> Tensor:
@@ -138,20 +135,14 @@ class PackLogprobs:
 def plan_packs(arrays: list[np.ndarray], capacity: int | None) -> list[Pack]:
     """Packs of the non-empty sequences: one pack of all of them (``capacity=None``), else treepack's
     packing at ``capacity`` trie tokens per pack. ``seq_index`` refers to positions in ``arrays``."""
+    from treepack.pack.packs import pack_rollouts
+
     keep = np.asarray([i for i, a in enumerate(arrays) if len(a) > 0], dtype=np.int64)
     if len(keep) == 0:
         return []
     r = rollouts_of([arrays[i] for i in keep.tolist()])
     r.ids = keep.tolist()  # errors name the caller's sequence, not its place among the non-empty ones
-    if capacity is None:
-        groups = [np.arange(len(keep))]
-    else:
-        from treepack.pack.strategies import pack_sequences
-
-        groups = pack_sequences(r, int(capacity), oversize_hint=CAPACITY_HINT).packs
-    packs = []
-    for g in groups:
-        p = build_pack(r, g)
+    packs = pack_rollouts(r, capacity)
+    for p in packs:
         p.seq_index = keep[p.seq_index]
-        packs.append(p)
     return packs

@@ -74,10 +74,12 @@ class AttentionProbe:
             else torch.float32
         self.worst: tuple[float, str] = (0.0, "")
         self.layers = 0
+        self.computed: torch.dtype | None = None  # what attention received (autocast inside a wrapped forward)
 
     @torch.no_grad()
     def record(self, module, q_THE, k_TKE, v_TKE, o_THE, *, scale, sliding_window, softcap) -> None:
         self.layers += 1
+        self.computed = q_THE.dtype
         G = q_THE.shape[1] // k_TKE.shape[1]
         vmax = float(v_TKE.abs().max()) or 1.0
         for s, path in enumerate(self.paths):
@@ -150,6 +152,8 @@ def self_check(model: nn.Module, arrays: list[np.ndarray], *, attention: str = "
                     diffs.append(float((tree[s].to(acc) - ref).abs().max()) if ref.numel() else 0.0)
     finally:
         hf.train(was_training)
+    if probe.computed is not None and probe.computed.itemsize < dtype.itemsize:
+        dtype = probe.computed  # a forward wrapped in autocast (accelerate's mixed precision: TRL's bf16 = True)
     tol_lp, tol_attn = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
     if reference == "eager" and dtype == torch.float64:
         tol_lp = TOLERANCES[torch.float32][0]  # eager upcasts softmax to float32

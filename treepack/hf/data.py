@@ -10,8 +10,8 @@ A trainer's loop over packs is three lines::
 Sources (`PackDataset`):
 - a directory written by ``treepack pack`` (``manifest.json`` inside): its packs as stored, read lazily
   shard by shard (the packing was chosen offline, with the ``best`` strategy);
-- rollout files (``.jsonl[.gz]``, ``.parquet``) or a `Rollouts` batch: packed here with
-  `treepack.pack`'s ``best`` strategy at ``capacity`` (one pack of everything when None);
+- rollout files (``.jsonl[.gz]``, ``.parquet``) or a `Rollouts` batch: packed here by
+  `treepack.pack.pack_rollouts` with the ``best`` strategy at ``capacity`` (one pack of everything when None);
 - token lists straight out of a generator (`PackDataset([[1, 2, 3], ...])`), or a batch of them with loss
   masks, behaviour log-probs, rewards/advantages and group labels (GRPO groups) from `rollouts_from_sequences`
   (`treepack.io.sequences`, numpy only) — packed on the fly.
@@ -31,23 +31,12 @@ from pathlib import Path
 from torch.utils.data import IterableDataset, get_worker_info
 
 from treepack.errors import TreepackError
-from treepack.hf.batch import CAPACITY_HINT, TreeBatch
+from treepack.hf.batch import TreeBatch
 from treepack.io.rollouts import Rollouts
 from treepack.io.sequences import rollouts_from_sequences
-from treepack.pack.layout import Pack, build_pack
+from treepack.pack.layout import Pack
+from treepack.pack.packs import pack_rollouts
 from treepack.train.distributed import rank_and_world
-
-
-def pack_rollouts(r: Rollouts, capacity: int | None, *, strategy: str = "best") -> list[Pack]:
-    """Every sequence of ``r`` in packs of at most ``capacity`` trie tokens (None: one pack)."""
-    if len(r) == 0:
-        return []
-    if capacity is None:
-        return [build_pack(r)]
-    from treepack.pack.strategies import pack_sequences
-
-    packing = pack_sequences(r, int(capacity), strategy=strategy, oversize_hint=CAPACITY_HINT)
-    return [build_pack(r, idx) for idx in packing.packs]
 
 
 class PackDataset(IterableDataset):

@@ -1,6 +1,6 @@
 """Tree-packed forward of a Hugging Face causal LM: per-token log-probs of packed sequences.
 
-One pack = one forward of the model's own modules over the pack's tree tokens (DFS preorder, DESIGN §6)
+One pack = one forward of the model's own modules over the pack's tree tokens (DFS preorder, design §6)
 with ``position_ids`` = depth (each token's offset in its sequence, so RoPE sees what the per-sequence
 forward sees) and the ``treepack`` attention implementation (`treepack.hf.attention`). The log-prob of
 pack token p is read from the logits at ``parent[p]``, once per pack token however many sequences share
@@ -145,13 +145,22 @@ def head_logprobs(prep: _Prepared, hidden_UD: Tensor, target_U: Tensor, chunk_ro
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-@torch.no_grad()
+def _entropy_chunk(hidden_CD, lm_head, softcap, temperature) -> Tensor:
+    return _entropy(_logits_chunk(hidden_CD, lm_head, softcap, temperature))
+
+
 def head_entropy(prep: _Prepared, hidden_UD: Tensor, chunk_rows: int, *, temperature: float = 1.0) -> Tensor:
-    """Entropy of each row's next-token distribution (no gradient; for logging and entropy masks)."""
+    """Entropy of each row's next-token distribution, ``chunk_rows`` rows of logits at a time. Differentiable
+    when grad is enabled (verl's ``entropy_coeff`` trains on it): each chunk is checkpointed, so a graph that
+    only logs the entropy holds nothing but the hidden rows, and one that trains on it recomputes the logits
+    in backward."""
     lm_head = prep.hf.get_output_embeddings()
     softcap = final_logit_softcap(prep.hf) if prep.head != "linear" else None
-    parts = [_entropy(_logits_chunk(hidden_UD[c0 : c0 + chunk_rows], lm_head, softcap, temperature))
-             for c0 in range(0, hidden_UD.shape[0], chunk_rows)]
+    grad = torch.is_grad_enabled()
+    parts = []
+    for c0 in range(0, hidden_UD.shape[0], chunk_rows):
+        args = (hidden_UD[c0 : c0 + chunk_rows], lm_head, softcap, temperature)
+        parts.append(checkpoint(_entropy_chunk, *args, use_reentrant=False) if grad else _entropy_chunk(*args))
     return torch.cat(parts) if parts else hidden_UD.new_zeros(0, dtype=logprob_dtype(hidden_UD.dtype))
 
 
@@ -195,8 +204,8 @@ def pack_logprobs(model: nn.Module, batch: TreeBatch, *, attention: str = "auto"
 
     ``tokens`` (int64 pack indices, sorted, unique) limits which tokens get a log-prob (e.g. only loss
     tokens); default: every non-root real token. ``temperature`` divides the logits (as samplers do);
-    ``entropy`` also returns each computed token's predictive entropy (no gradient). Differentiable
-    w.r.t. the model's parameters.
+    ``entropy`` also returns each computed token's predictive entropy. Both are differentiable w.r.t. the
+    model's parameters.
     """
     if temperature <= 0:
         raise TreepackError(f"temperature must be > 0, got {temperature}")
@@ -230,14 +239,14 @@ def pack_logprobs(model: nn.Module, batch: TreeBatch, *, attention: str = "auto"
     if prep.head == "model":
         logits = logits.to(logprob_dtype(logits.dtype)) / temperature
         logp_U = torch.log_softmax(logits, -1)[inverse, target_U]
-        if entropy:
-            with torch.no_grad():
-                entropy_U = _entropy(logits.detach())[inverse]
+        if entropy:  # checkpointed: the graph keeps the logits it already has, not their log-softmax
+            entropy_U = (checkpoint(_entropy, logits, use_reentrant=False) if torch.is_grad_enabled()
+                         else _entropy(logits))[inverse]
     else:
         hidden_UD = hidden_TD[parent_U]
         logp_U = head_logprobs(prep, hidden_UD, target_U, chunk_rows, temperature=temperature)
         if entropy:
-            entropy_U = head_entropy(prep, hidden_UD.detach(), chunk_rows, temperature=temperature)
+            entropy_U = head_entropy(prep, hidden_UD, chunk_rows, temperature=temperature)
     logp_T = torch.zeros(T, dtype=logp_U.dtype, device=device).index_put((tokens,), logp_U)
     computed_T = torch.zeros(T, dtype=torch.bool, device=device)
     computed_T[tokens] = True

@@ -12,6 +12,12 @@ real tokens, runs `token_logprobs` over the rows (the G completions of a prompt 
 pack), and scatters the result back into the [B, C] layout, 0 where a column is padding or the first
 token of its row. RoPE is relative, so dropping a row's left padding (its tokens start at position 0
 here, at the pad count there) changes the attention math only by float rounding of the angles.
+
+It keeps the caller's memory budget and dtype: ``batch_size`` cuts the rows into consecutive chunks of that
+many, one tree forward each, as TRL chunks its own forward (a chunk's tree holds at most the chunk's real
+tokens, never more than the [batch_size, L] rows TRL would run; TRL's rows come in prompt order, so a chunk
+of 8 rows holds two whole groups of 4); ``dtype`` is what the replaced call returned (TRL's fused head:
+float32 whatever the model's precision).
 """
 
 from __future__ import annotations
@@ -77,10 +83,14 @@ def token_logprobs(model: nn.Module, sequences: Sequence, *, capacity: int | Non
 
 def padded_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int, *,
                     temperature: float = 1.0, return_entropy: bool = False, capacity: int | None = None,
-                    attention: str = "auto", check: bool = True,
-                    chunk_rows: int = DEFAULT_CHUNK_ROWS) -> tuple[Tensor, Tensor | None]:
+                    attention: str = "auto", check: bool = True, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                    batch_size: int | None = None,
+                    dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
     """(log-probs [B, C], entropies [B, C] or None) of the last C = ``logits_to_keep`` columns of a padded
-    batch, computed by tree packing (see the module docstring). Differentiable like `token_logprobs`."""
+    batch, computed by tree packing (see the module docstring). Differentiable like `token_logprobs`.
+
+    ``batch_size``: most rows per tree forward (consecutive chunks, the last one shorter; None: all rows);
+    ``dtype``: the result's dtype (None: float32, float64 for float64 models)."""
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise TreepackError(f"input_ids and attention_mask must both be [B, L], got {list(input_ids.shape)} "
                             f"and {list(attention_mask.shape)}")
@@ -88,19 +98,29 @@ def padded_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     C = int(logits_to_keep)
     if not 0 < C <= L:
         raise TreepackError(f"logits_to_keep must be in [1, {L}], got {C}")
+    if batch_size is not None and int(batch_size) < 1:
+        raise TreepackError(f"batch_size must be >= 1, got {batch_size}")
     mask = attention_mask.bool()
     rows = [torch.nonzero(mask[b])[:, 0] for b in range(B)]
     seqs = [input_ids[b, cols] for b, cols in enumerate(rows)]
-    out = token_logprobs(model, seqs, capacity=capacity, attention=attention, check=check, temperature=temperature,
-                         return_entropy=return_entropy, chunk_rows=chunk_rows)
-    logps, entropies = out if return_entropy else (out, None)
-    dtype, device = logps[0].dtype if logps else torch.float32, input_ids.device
+    step = int(batch_size) if batch_size is not None else max(B, 1)
+    logps: list[Tensor] = []
+    entropies: list[Tensor] | None = [] if return_entropy else None
+    for start in range(0, B, step):
+        out = token_logprobs(model, seqs[start : start + step], capacity=capacity, attention=attention, check=check,
+                             temperature=temperature, return_entropy=return_entropy, chunk_rows=chunk_rows)
+        logps += out[0] if return_entropy else out
+        if return_entropy:
+            entropies += out[1]
+    device = input_ids.device
+    if dtype is None:
+        dtype = logps[0].dtype if logps else torch.float32
 
     def scatter(values: list[Tensor]) -> Tensor:
         b_R = torch.cat([torch.full((max(len(c) - 1, 0),), b, dtype=torch.long, device=device)
                          for b, c in enumerate(rows)])
         col_R = torch.cat([c[1:] for c in rows]).to(device)
-        v_R = torch.cat(values).to(device)
+        v_R = torch.cat(values).to(device=device, dtype=dtype)
         keep = col_R >= L - C
         grid = torch.zeros(B, C, dtype=dtype, device=device)
         return grid.index_put((b_R[keep], col_R[keep] - (L - C)), v_R[keep])

@@ -4,7 +4,7 @@
 type for both) with two choices made for a Hugging Face loop: packs stay whole (``min_gain=KEEP_WHOLE``:
 the model takes a pack, not a piece of one; the trainer may cut a pack across ranks when that saves >= 1%
 of the step, recomputing its shared prefix), and the cost is named (``tokens``: real tokens per pack, the
-default; ``flops``: DESIGN §9 for a named model shape, which weighs deep packs' attention pairs and the
+default; ``flops``: design §9 for a named model shape, which weighs deep packs' attention pairs and the
 head's loss tokens). The packs of each global batch (e.g. one ``step`` of the rollouts) go to ranks by
 the better of LPT and the contiguous AReaL-DTA split (`treepack.pack.balance.assign_units`): packs share
 no tokens, so contiguity buys nothing, and [5, 5, 3, 3] over 2 ranks balances 8/8, contiguously at best

@@ -1,7 +1,7 @@
 """``treepack train`` on a Hugging Face model (``model.source = "hf"``): the model and its execution modes.
 
 `HFCausalLM` holds a ``transformers`` causal LM loaded from a local checkpoint directory and gives the
-training loop what it reads from our own `Decoder`: ``args`` (the shape DESIGN §9's FLOP model needs),
+training loop what it reads from our own `Decoder`: ``args`` (the shape docs/design.md §9's FLOP model needs),
 ``dtype``/``device``, ``save_pretrained``/``from_pretrained`` (checkpoints stay Hugging Face directories)
 and ``activation_checkpointing`` (transformers' gradient checkpointing). Two modes over the same packs,
 rows and objective as ours (`treepack.train.modes`):
@@ -10,6 +10,9 @@ rows and objective as ours (`treepack.train.modes`):
   for the pack tokens the loss rows target, rows gather them; SFT token-mean reads ``loss_weight``;
 - `HFDenseMode`: the baseline, every sequence on its own through the model's configured attention
   (one forward per sequence), no tree field read.
+
+This module registers the ``hf`` model source (`treepack.train.model_source`) when imported; the trainer imports
+it by name the first time a config asks for that source, so ``treepack.train`` never imports ``treepack.hf``.
 
 ``model.source = "auto"`` (the default) picks our decoder wherever it loads the checkpoint (random init,
 or a qwen3 / qwen2 / llama checkpoint) and this path otherwise. Both compute the same function (tests:
@@ -31,6 +34,7 @@ from treepack.errors import ConfigError
 from treepack.hf.batch import TreeBatch
 from treepack.hf.forward import pack_logprobs, prepare_model, sequence_logprobs
 from treepack.train.losses import BatchTotals, LossRows, Objective, token_weights_fast
+from treepack.train.model_source import register_model_source
 from treepack.train.modes.base import LayoutError, Mode, ModeResult
 
 
@@ -62,7 +66,8 @@ class ModelShape:
 
 
 class HFCausalLM(nn.Module):
-    """A transformers causal LM behind the interface `treepack.train.loop` uses (see the module doc)."""
+    """A transformers causal LM behind the interface `treepack.train.loop` uses (see the module doc and
+    `treepack.train.model_source`)."""
 
     def __init__(self, hf: nn.Module) -> None:
         super().__init__()
@@ -179,3 +184,11 @@ def make_hf_mode(name: str, *, attention: str | None = None, chunk_rows: int = 4
     if name == "dense":
         return HFDenseMode(attention or "sdpa", chunk_rows=chunk_rows)
     raise ConfigError(f"train.mode = '{name}' is not available with model.source = 'hf' (tree or dense)")
+
+
+def _load(m, *, vocab_size: int, seed: int, dtype: torch.dtype, device: torch.device) -> HFCausalLM:
+    """The ``hf`` source's loader: the checkpoint ``m.checkpoint`` (its own vocabulary and weights)."""
+    return HFCausalLM.from_pretrained(m.checkpoint, dtype=dtype, device=device)
+
+
+register_model_source("hf", _load, make_mode=make_hf_mode)

@@ -14,6 +14,8 @@ which directory readers skip.
   of it and moved in one by one once all are written, ``last`` (a manifest) after the others, so the
   directory holds the manifest only when every file it names is there. A file already in the directory is
   never replaced.
+- A directory replaced whole (``replaced_dir``: a training checkpoint): written under ``.NAME.PID.tmp`` beside
+  it, then swapped in for the old one, which is removed once the new one has the name.
 
 Errors name the output, not its temporary (``out.jsonl: Permission denied``).
 """
@@ -182,6 +184,35 @@ def atomic_dir(path: str | os.PathLike, *, last: str | None = None) -> Iterator[
             _name_the_output(exc, tmp, path)
         _remove_created(created)
         raise
+
+
+@contextlib.contextmanager
+def replaced_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """A directory to write the whole new content of the directory ``path`` into (a checkpoint): when the ``with``
+    block succeeds it takes ``path``'s name, the directory there before (if any) renamed aside first and removed
+    after; when it fails, the temporary goes and ``path`` is left as it was. Between the two renames a kill leaves
+    the old directory under the hidden ``.NAME.PID.old`` beside the new one's hidden temporary."""
+    path = Path(path)
+    created = _make_parents(path)
+    tmp = old = None
+    try:
+        tmp = _fresh_dir(path.parent, f".{path.name}", path)
+        yield tmp
+        if path.is_dir() and not path.is_symlink():
+            old = path.parent / f".{path.name}.{os.getpid()}.old"
+            _remove(old)
+            os.rename(path, old)
+        os.rename(tmp, path)
+    except BaseException as exc:
+        if tmp is not None:
+            _remove(tmp)
+            _name_the_output(exc, tmp, path)
+        if old is not None and old.exists() and not path.exists():
+            os.rename(old, path)  # the swap failed halfway: the old directory goes back
+        _remove_created(created)
+        raise
+    if old is not None:
+        _remove(old)
 
 
 def _fresh_dir(parent: Path, stem: str, output: Path) -> Path:

@@ -12,7 +12,7 @@
   (`treepack.pack.inputs`: reading them here would count every record twice next to its source files).
 Nothing is dropped silently: skipped records are counted per reason in ``Rollouts.skipped``.
 
-Fields (DESIGN §3): ``input_ids`` (aliases ``tokens``, ``token_ids``, or ``--tokens-field``), ``loss_mask``,
+Fields (design §3): ``input_ids`` (aliases ``tokens``, ``token_ids``, or ``--tokens-field``), ``loss_mask``,
 ``tree_id`` (alias ``group_id``), ``id``, ``advantage``, ``reward``, ``logprobs``, ``step``; every other
 field is kept for an exact unpack when ``keep_records`` is on (`treepack.io.extras`).
 """
@@ -20,6 +20,7 @@ field is kept for an exact unpack when ``keep_records`` is on (`treepack.io.extr
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from collections import Counter
@@ -31,10 +32,12 @@ from treepack.io.arrow import read_parquet
 from treepack.io.builder import Builder
 from treepack.io.jsonl import read_json_file
 from treepack.io.rollouts import Progress, Rollouts, Source
+from treepack.io.streams import COMPRESSED_SUFFIXES, strip_compression
 
-JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz", ".json", ".json.gz")
+JSON_SUFFIXES = tuple(base + z for base in (".jsonl", ".ndjson", ".json") for z in ("", *COMPRESSED_SUFFIXES))
 PARQUET_SUFFIXES = (".parquet", ".pq")
 SUPPORTED = JSON_SUFFIXES + PARQUET_SUFFIXES
+SUPPORTED_TEXT = ".jsonl, .ndjson, .json (each also .gz, .bz2, .xz, .zst), .parquet, .pq"  # in messages
 MANIFEST = "manifest.json"  # the file that marks a directory written by `treepack pack`
 
 
@@ -50,6 +53,8 @@ def _walk(root: Path, skipped: list[tuple[str, str]], seen: set | None = None) -
     for entry in sorted(root.iterdir(), key=lambda e: e.name):
         if entry.name.startswith("."):
             skipped.append((str(entry), "hidden"))
+        elif entry.is_symlink() and not entry.exists():
+            skipped.append((str(entry), _broken_link(entry)))
         elif entry.is_dir():
             if is_pack_dir(entry):
                 skipped.append((str(entry), "a directory written by `treepack pack` (name it to read its records)"))
@@ -64,8 +69,13 @@ def _walk(root: Path, skipped: list[tuple[str, str]], seen: set | None = None) -
             continue  # pragma: no cover - a pack directory is never walked
         else:
             suffix = "".join(entry.suffixes[-2:]) or "no suffix"
-            skipped.append((str(entry), f"not a rollout file ({suffix}; reading {', '.join(SUPPORTED)})"))
+            skipped.append((str(entry), f"not a rollout file ({suffix}; reading {SUPPORTED_TEXT})"))
     return out
+
+
+def rollout_files(root: str | os.PathLike) -> list[str]:
+    """The files a reader takes from a directory (recursively, as `expand_paths` expands it)."""
+    return _walk(Path(root), [])
 
 
 def expand_paths(paths: Iterable[str], skipped_files: list[tuple[str, str]] | None = None) -> list[str]:
@@ -90,16 +100,48 @@ def expand_paths(paths: Iterable[str], skipped_files: list[tuple[str, str]] | No
             files = _walk(path, skipped)
             if not files:
                 why = "; ".join(f"{Path(f).relative_to(path)}: {r}" for f, r in skipped[before:][:5])
-                raise InputError(f"{p}: directory has no rollout files ({', '.join(SUPPORTED)})"
+                raise InputError(f"{p}: directory has no rollout files ({SUPPORTED_TEXT})"
                                  + (f"; skipped {why}" if why else ""))
             out.extend(files)
         elif not path.exists():
-            raise InputError(f"{p}: no such file")
+            raise InputError(f"{p}: {_broken_link(path)}" if path.is_symlink() else f"{p}: no such file")
         else:
             out.append(p)
     if not out:
         raise InputError("no input files given")
     return out
+
+
+def _broken_link(path: Path) -> str:
+    """Why a symbolic link can not be read: it loops (to itself, or through others), or names nothing."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"a symbolic link that loops ({exc.strerror})"
+    return f"a symbolic link to {os.readlink(path)}, which does not exist"
+
+
+# the columns that make a Parquet file a shard written by `treepack pack` (treepack.pack.shards), not rollouts
+SHARD_MARKS = ("pack_index", "subtree_end", "seq_leaf", "position_ids")
+
+
+def refuse_shard(path: str) -> None:
+    """A pack shard named as rollouts would read as a few long sequences of pack tokens: refused by name."""
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(path).names
+    except Exception:  # noqa: BLE001 (not readable Parquet: read_parquet says what is wrong)
+        return
+    if not all(n in names for n in SHARD_MARKS):
+        return
+    where = Path(path).parent
+    if is_pack_dir(where):
+        raise InputError(f"{path}: a shard of the pack directory {where}, not rollouts: name {where} to read the "
+                         "records packed in it")
+    raise InputError(f"{path}: a shard written by `treepack pack`, not rollouts, and {where} has no {MANIFEST} (an "
+                     "incomplete pack directory: pack its rollouts again)")
 
 
 def is_parquet(path: str) -> bool:
@@ -155,12 +197,13 @@ def read_rollouts(
         name = "<stdin>" if path == "-" else path
         kept_before, skipped_before = builder.n, sum(skipped.values())
         if pq_file:
+            refuse_shard(path)
             src = Source(path=path, sha256=_sha256_file(path), format="parquet")
             read_parquet(path, tokens_field, on_error, builder, skipped, examples, progress)
         else:
             h = hashlib.sha256()  # of the bytes on disk, hashed as they stream (stdin can be read only once)
             read_json_file(path, name, tokens_field, on_error, builder, skipped, examples, progress, hasher=h)
-            src = Source(path=path, sha256=h.hexdigest(), format="json" if path.endswith((".json", ".json.gz"))
+            src = Source(path=path, sha256=h.hexdigest(), format="json" if strip_compression(path).endswith(".json")
                          else "jsonl")
         src.n_records = builder.n - kept_before
         src.n_skipped = sum(skipped.values()) - skipped_before

@@ -43,8 +43,9 @@ from treepack.io.extras import (
     template,
 )
 from treepack.io.json_keys import Duplicated, pairs_to_dict, repeated_key, repeats_a_key
+from treepack.io.json_values import suspect, unwritable
 from treepack.io.rollouts import GROUP_ALIASES, INT32_MAX, INT64_MAX, TOKEN_ALIASES, Progress
-from treepack.io.streams import StreamError, iter_blocks
+from treepack.io.streams import StreamError, iter_blocks, strip_compression
 
 try:  # optional at import, a dependency of the package: without it every line takes the precise path
     import simdjson
@@ -196,7 +197,7 @@ class JsonRecord:
 def _is_array_file(path: str, first_block: bytes) -> bool:
     """A ``.json``/``.json.gz`` file whose first non-blank character (after a UTF-8 byte order mark, which
     ``json.loads`` of bytes skips) is ``[`` holds an array of records."""
-    return path.endswith((".json", ".json.gz")) and first_block.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"["
+    return strip_compression(path).endswith(".json") and first_block.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"["
 
 
 def iter_json_records(path: str, *, progress: Progress | None = None, parse: bool = True) -> Iterator[JsonRecord]:
@@ -226,7 +227,7 @@ def _iter_json_records(path: str, progress, parse: bool, seen: list[int]) -> Ite
         if not isinstance(values, list):  # pragma: no cover - a text starting with "[" parses to a list
             raise InputError(f"{path}: expected a JSON array of records")
         for i, v in enumerate(values, start=1):
-            err = duplicate_error(v)
+            err = duplicate_error(v) or _unwritable(v, None)
             yield JsonRecord(f"record {i}", None if err else v, error=err)
         return
     lineno = 0
@@ -243,9 +244,17 @@ def _iter_json_records(path: str, progress, parse: bool, seen: list[int]) -> Ite
                 yield JsonRecord(f"line {lineno}", raw=raw)
                 continue
             try:
-                yield JsonRecord(f"line {lineno}", _loads(raw), raw=raw)
+                value = _loads(raw)
+                err = _unwritable(value, raw)
+                yield JsonRecord(f"line {lineno}", None if err else value, error=err, raw=raw)
             except _RecordError as err:
                 yield JsonRecord(f"line {lineno}", error=err, raw=raw)
+
+
+def _unwritable(value, raw: bytes | None) -> _RecordError | None:
+    """A chat record's NaN, Infinity or lone surrogate (`treepack.io.json_values`), as its error."""
+    bad = unwritable(value) if isinstance(value, dict) and suspect(raw) else None
+    return _RecordError(*bad) if bad else None
 
 
 def _chain(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
@@ -310,6 +319,9 @@ class _Reader:
     def add_value(self, b: _Block, rec, where: str, raw: bytes | None = None) -> None:
         """A parsed record (the precise path)."""
         tf, toks, mask, lp, rid, group, step, adv, rew = _check_record(rec, self.tokens_field)
+        bad = unwritable(rec, (tf, "loss_mask", "logprobs")) if suspect(raw) else None
+        if bad:  # NaN, Infinity, a lone surrogate: no JSON or UTF-8 output can hold it (treepack.io.json_values)
+            raise _RecordError(*bad)
         carry = CARRY_TOKENS
         if mask is not None:
             carry |= mask_carry(mask)

@@ -1,6 +1,6 @@
 """The way back out: a ``Rollouts`` batch as plain records, an Arrow table, or a JSONL / Parquet file.
 
-``iter_records`` and ``to_arrow`` give the input format back (one record per sequence, DESIGN §3), so a
+``iter_records`` and ``to_arrow`` give the input format back (one record per sequence, design §3), so a
 batch read by `treepack.io.ingest` and written here reads back equal. `treepack unpack` uses
 ``write_rollouts`` on the batch rebuilt from the shards.
 """
@@ -141,7 +141,8 @@ def write_rollouts(r: Rollouts, path: str) -> Counter:
     """Write a batch as JSONL (``.jsonl``, ``.jsonl.gz``, ``-`` for stdout) or Parquet (``.parquet``).
 
     A file appears whole or not at all (`treepack.io.atomic`): written under a hidden temporary name, renamed
-    into place when done, removed on any failure or interruption. Returns the values JSON has no type for
+    into place when done, removed on any failure or interruption; missing directories above it are created
+    (as ``pack``, ``tokenize`` and ``plot`` do), and removed again on failure. Returns the values JSON has no type for
     (bytes, timestamps, decimals of a Parquet input), written as their text, counted by type: empty for
     Parquet output, which keeps them exact."""
     as_text: Counter = Counter()
@@ -155,19 +156,35 @@ def write_rollouts(r: Rollouts, path: str) -> Counter:
             if key_encoding(keys) == "json":
                 raise TreepackError(f"{path}: the {what} mix strings and integers (or exceed int64), which a Parquet "
                                     "column can not hold; write .jsonl instead")
-        with atomic_file(path) as tmp:
+        with atomic_file(path, make_parents=True) as tmp:
             pq.write_table(to_arrow(r), tmp, compression="zstd")
         return as_text
     with contextlib.ExitStack() as stack:
         if path == "-":
             fh = sys.stdout
         else:
-            tmp = stack.enter_context(atomic_file(path))  # entered first: renamed after the file is closed
+            tmp = stack.enter_context(atomic_file(path, make_parents=True))  # entered first: renamed after the file is closed
             raw = stack.enter_context(open(tmp, "wb"))
             if path.endswith(".gz"):  # level 6, gzip's own default: unpacking 24M tokens took 7.1 s of CPU, 10.2 s
                 # at gzip.open's level 9 for a 0.3% smaller file; the header names the output, not its temporary
                 raw = stack.enter_context(gzip.GzipFile(Path(path).name, "wb", compresslevel=6, fileobj=raw))
             fh = stack.enter_context(io.TextIOWrapper(raw, encoding="utf-8"))
         for rec in iter_records(r):
-            fh.write(json.dumps(rec, separators=(",", ":"), ensure_ascii=False, default=text) + "\n")
+            try:
+                line = json.dumps(rec, separators=(",", ":"), ensure_ascii=False, default=text, allow_nan=False)
+            except ValueError:  # NaN or Infinity (a Parquet input's float): JSON has none, written as text
+                line = json.dumps(_finite(rec, as_text), separators=(",", ":"), ensure_ascii=False, default=text)
+            fh.write(line + "\n")
     return as_text
+
+
+def _finite(value, as_text: Counter):
+    """``value`` with NaN and +-Infinity floats as the strings JavaScript spells them, counted as text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        as_text["float"] += 1
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: _finite(v, as_text) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v, as_text) for v in value]
+    return value

@@ -94,7 +94,7 @@ class Rollouts:
         starts, lens = self.offsets[:-1][index], self.lengths[index]
         offsets = np.zeros(len(index) + 1, dtype=np.int64)
         np.cumsum(lens, out=offsets[1:])
-        gather = _ranges(starts, lens)
+        gather = ranges(starts, lens)
 
         def take_flat(a):
             return None if a is None else a[gather]
@@ -118,7 +118,7 @@ class Rollouts:
         )
 
 
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+def ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(s, s + l)`` for each (s, l), vectorised."""
     lens = np.asarray(lens, dtype=np.int64)
     seg_start = np.cumsum(lens) - lens

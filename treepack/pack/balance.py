@@ -5,7 +5,7 @@ Two uses, one principle (minimise the costliest rank: the step waits for it):
   contiguous runs, AReaL-DTA Algorithm 4 on packs: binary search on the bottleneck ``tau`` with a greedy
   feasibility check, O(P log(sum of costs)) with integer costs, exactly ``min(K, P)`` non-empty runs
   (lines 30-32). Costs (``BALANCE_COSTS``): ``tokens`` (real tokens), or ``flops``: the FLOP model of
-  DESIGN §9 with the named model shape (`treepack.pack.cost`).
+  docs/design.md §9 with the named model shape (`treepack.pack.cost`).
 - ``balance_units`` (the trainer, each global batch): sharing-aware. Units (packs, or whole trees) share no
   tokens, so whole units are assigned first, by the best of LPT with move/swap refinement, the
   contiguous split (contiguity buys nothing between packs; a non-contiguous assignment often balances
@@ -20,6 +20,12 @@ Two uses, one principle (minimise the costliest rank: the step waits for it):
   Costs are FLOPs of the layout the mode runs (`treepack.pack.cost.RunCosts`), so a rank of long, deep
   trees is not mistaken for a light one. ``split_run`` is Algorithm 4 itself (one unit, K contiguous
   pieces, LCP-aware costs): what the cutting uses, and the baseline of ``benchmarks/balance.py``.
+  Every piece's predicted cost is exact: it equals the cost of the pack the piece becomes, recomputed
+  from its sequences alone (a property test checks every piece and every rank's load; a remainder priced
+  without the shared prefix it computes again once passed every other test: a 5-sequence comb of 10 tree
+  tokens over 2 ranks was predicted at 6 and 4 tokens, and the ranks computed 6 and 9, where the exact
+  split computes 7 and 7). ``UnitSplit.cut_cost`` says what cutting costs: the work the cut units' pieces
+  do beyond those units whole (4 of the comb's 10 tokens again, ``cut_share`` 0.4).
   Everything is deterministic (integer costs, fixed tie-breaks): every rank computes the same split with
   no communication.
 """
@@ -34,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from treepack.errors import TreepackError
-from treepack.io.rollouts import Rollouts, _ranges
+from treepack.io.rollouts import Rollouts, ranges
 from treepack.pack.cost import TOKENS, FlopModel, RunCosts
 from treepack.pack.layout import Pack, build_pack, reorder
 from treepack.stats import DEFAULT_MODEL, MODEL_SHAPES
@@ -49,7 +55,7 @@ def _check_cost(cost: str) -> None:
 
 def cost_model(cost: str = "tokens", model: str | None = None) -> FlopModel:
     """The `FlopModel` a balance cost names: ``tokens`` (1 per token through the layers) or ``flops``
-    (DESIGN §9 for ``model``'s shape, `DEFAULT_MODEL` if None: loss tokens pay the head, pairs attention)."""
+    (design §9 for ``model``'s shape, `DEFAULT_MODEL` if None: loss tokens pay the head, pairs attention)."""
     _check_cost(cost)
     return TOKENS if cost == "tokens" else FlopModel.named(model or DEFAULT_MODEL)
 
@@ -168,20 +174,23 @@ def split_run(costs: RunCosts, m: int, *, exactly: bool = False) -> list[int]:
     if n == 0:
         return []
     full, inc = costs.full.tolist(), costs.inc.tolist()
+    extra = costs.per_extra and len(costs.extra_seq)
+    with_extra = set(costs.extra_seq.tolist()) if extra else set()
 
     def greedy(tau: int) -> list[int] | None:
         starts, run = [0], full[0]
         for s in range(1, n):
-            if run + inc[s] > tau:
+            add = costs.step(starts[-1], s) if s in with_extra else inc[s]
+            if run + add > tau:
                 starts.append(s)
                 if len(starts) > m:
                     return None
                 run = full[s]
             else:
-                run += inc[s]
+                run += add
         return starts
 
-    lo, hi = max(full), full[0] + sum(inc[1:])
+    lo, hi = max(full), costs.run(0, n)
     while lo < hi:
         mid = (lo + hi) // 2
         if greedy(mid) is not None:
@@ -278,6 +287,13 @@ class UnitSplit:
     ranks: list[int]  # rank of each piece
     loads: list[int]  # predicted cost per rank
     n_units: int
+    cut_cost: int = 0  # what cutting costs: the cut units' pieces less those units whole (prefixes done again)
+
+    @property
+    def cut_share(self) -> float:
+        """``cut_cost`` over the cost of the batch's units whole: the work cutting adds to the step."""
+        base = sum(self.loads) - self.cut_cost
+        return self.cut_cost / base if base else 0.0
 
     @property
     def imbalance(self) -> float:
@@ -307,7 +323,6 @@ def _fill(units: list[RunCosts], k: int, tau: int, slack: int) -> list[tuple[int
     than ``slack`` is left, the costliest remaining piece is cut: its sequences up to the cut that wastes
     least (room left unfilled + the shared prefix the remainder pays again) fill the room."""
     remaining = sorted((c.whole, u, 0, c.n) for u, c in enumerate(units) if c.n)  # ascending cost
-    cums = [np.r_[0, np.cumsum(c.inc)] for c in units]
     out = []
     for rank in range(k):
         room = tau
@@ -321,20 +336,22 @@ def _fill(units: list[RunCosts], k: int, tau: int, slack: int) -> list[tuple[int
             if room <= slack:
                 break
             cost, u, a, b = remaining[-1]
-            c, cum = units[u], cums[u]
-            # prefix [a, s) costs full[a] + cum[s] - cum[a+1]; the remainder [s, b) costs full[s] + cum[b] - cum[s+1]
+            c = units[u]
+            # the head [a, s) goes in; the remainder [s, b) pays again for what it shares with the head
             s_all = np.arange(a + 1, b)
-            prefix = c.full[a] + cum[s_all] - cum[a + 1]
-            fits = s_all[prefix <= room]
+            heads = c.heads(a, s_all)
+            ok = heads <= room
+            fits, heads = s_all[ok], heads[ok]
             if not len(fits):
                 break
-            waste = room - (c.full[a] + cum[fits] - cum[a + 1]) + (c.full[fits] - c.inc[fits])
-            s = int(fits[np.argmin(waste)])
+            tails = c.tails(fits, b)
+            waste = room - heads + (heads + tails - cost)  # room left unfilled + work done twice
+            i = int(np.argmin(waste))
+            s, head = int(fits[i]), int(heads[i])
             remaining.pop()
-            head = int(c.full[a] + cum[s] - cum[a + 1])
             out.append((u, a, s, head, rank))
             room -= head
-            bisect.insort(remaining, (int(c.full[s] + cum[b] - cum[s + 1]), u, s, b))
+            bisect.insort(remaining, (int(tails[i]), u, s, b))
         if not remaining:
             return out
     return None
@@ -394,9 +411,13 @@ def _split_of_fill(found: list[tuple[int, int, int, int, int]], units: list[RunC
     order = sorted(range(len(pieces)), key=lambda i: (pieces[i].unit, pieces[i].start))
     pieces = [pieces[i] for i in order]
     ranks = [found[i][4] for i in order]
-    return min(_split_of(pieces, ranks, k, len(units)),
+    cut = {p.unit for p in pieces if not p.whole}
+    cut_cost = sum(p.cost for p in pieces if p.unit in cut) - sum(units[u].whole for u in cut)
+    best = min(_split_of(pieces, ranks, k, len(units)),
                _split_of(pieces, assign_units([p.cost for p in pieces], k), k, len(units)),
                key=lambda s: max(s.loads))
+    best.cut_cost = cut_cost
+    return best
 
 
 def _split_of(pieces: list[Piece], ranks: list[int], k: int, n_units: int) -> UnitSplit:
@@ -432,7 +453,7 @@ def sub_pack(pack: Pack, start: int, stop: int) -> Pack:
         rewards=seq(pack.rewards),
     )
     out = build_pack(r, scope=root_S)  # lexicographic; then the pack's own order, restricted to the piece
-    src_F = _ranges(offsets[:-1][out.seq_index], np.diff(offsets)[out.seq_index])
+    src_F = ranges(offsets[:-1][out.seq_index], np.diff(offsets)[out.seq_index])
     key_T = np.empty(out.n_real, dtype=np.int64)
     key_T[np.asarray(out.seq_token_index, dtype=np.int64)] = tok_F[src_F]
     out = reorder(out, key_T)

@@ -1,4 +1,4 @@
-"""What one fwd+bwd pass over a pack, or over a run of sequences, costs: DESIGN §9's FLOP model.
+"""What one fwd+bwd pass over a pack, or over a run of sequences, costs: docs/design.md §9's FLOP model.
 
 ``FlopModel`` turns a `Work` (tokens through the layers, tokens whose log-prob the head computes, visible
 (query, key) attention pairs) into FLOPs: ``6 x non-embedding params x tokens + 6 x d_model x vocab x
@@ -9,21 +9,27 @@ sequences on their own (dense-leaf). Counting pairs matters: a 9k-token agent co
 attention pairs as much as 40k tokens of short answers, so a token-only balance gives one rank of long
 trees far more work than it thinks.
 
-``RunCosts`` prices every contiguous run of a unit's sequences in a DFS leaf order of its trie with two
-arrays, so the balance can try cuts in O(1) each: a run ``[a, b)`` costs ``full[a] + inc[a+1:b].sum()``,
-``full`` being a sequence on its own and ``inc`` what it adds after its predecessor (its tokens past their
-LCP). Tokens and pairs are exact; the predicted-token term counts each sequence's loss rows past its LCP,
-exact unless a sequence trains on a token its predecessor only saw as context.
+``RunCosts`` prices every contiguous run of a unit's sequences in a DFS leaf order of its trie, so the
+balance can try cuts in O(1) each: a run ``[a, b)`` costs ``full[a] + inc[a+1:b].sum()``, ``full`` being a
+sequence on its own and ``inc`` what it adds after its predecessor (its tokens past their LCP), plus the
+head's rows no two arrays can express: a sequence that trains on a token it shares with its predecessor,
+which no sequence in between trains on (a later turn trained, an earlier one context only). Those rows are
+kept as (sequence, nearest earlier sequence that trains on the token) points and counted for the run; there
+are none when shared tokens are trained alike. Every run's price is exact in every layout: it equals the
+cost of the pack built from the run's sequences alone (``tests/test_balance.py`` checks every run, and every
+piece a balance makes). Before the points, a cut pack's predicted head term was a lower bound, and a
+dense-leaf piece counted a sequence cut from its extension as no leaf at all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
 from treepack.errors import TreepackError
-from treepack.io.rollouts import Rollouts, _ranges
+from treepack.io.rollouts import Rollouts, ranges
 from treepack.pack.layout import Pack
 from treepack.stats import MODEL_SHAPES, ModelShape
 
@@ -45,7 +51,7 @@ class Work:
 
 @dataclass(frozen=True)
 class FlopModel:
-    """DESIGN §9's FLOP model as integer coefficients: ``per_token x tokens + per_predicted x predicted +
+    """docs/design.md §9's FLOP model as integer coefficients: ``per_token x tokens + per_predicted x predicted +
     per_pair x pairs`` (fwd+bwd: 6 x non-embedding params, 6 x d_model x vocab, 12 x layers x heads x head_dim)."""
 
     per_token: int
@@ -111,6 +117,7 @@ class _PackSequences:
         self.is_leaf = np.ones(S, dtype=bool)
         if S > 1:
             self.is_leaf[:-1] = self.lcp[1:] < self.lengths[:-1]
+        self.extra_seq, self.extra_prev = _extra_rows(seq_F, depth_F, self.row_F, self.lcp, off[:-1])
 
 
 def pack_work(pack: Pack, layout: str = "tree", *, _seqs: _PackSequences | None = None) -> Work:
@@ -129,44 +136,123 @@ def pack_work(pack: Pack, layout: str = "tree", *, _seqs: _PackSequences | None 
     return Work(tokens=int(leaf.sum()), predicted=predicted, pairs=int(_pairs(leaf).sum()))
 
 
+def _extra_rows(seq_F: np.ndarray, depth_F: np.ndarray, row_F: np.ndarray, lcp: np.ndarray, start_S: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(seq, prev): the loss rows that ``full`` and ``inc`` leave out, ascending by (seq, prev). A row of
+    sequence s on a token shared with s - 1 counts in a run [a, b) (a < s < b) iff no sequence of [a, s)
+    trains on that token, i.e. iff ``prev`` < a, ``prev`` being the nearest earlier sequence that trains on
+    it (-1: none). Rows that s - 1 trains on too never count and are not kept: the walk back through the
+    sequences sharing the token starts only at the few rows left (``start_S``: each sequence's first flat
+    position; flat positions run sequence by sequence, in the run order)."""
+    shared_F = depth_F < lcp[seq_F]
+    pos = np.flatnonzero(row_F & shared_F)
+    cur = start_S[seq_F[pos] - 1] + depth_F[pos]  # the same token in the previous sequence
+    keep = ~row_F[cur]
+    pos, cur = pos[keep], cur[keep]
+    walk = np.flatnonzero(shared_F[cur] & ~row_F[cur])
+    while walk.size:  # back one sequence while the token is shared further and nobody trains on it
+        c = cur[walk]
+        cur[walk] = start_S[seq_F[c] - 1] + depth_F[c]
+        walk = walk[shared_F[cur[walk]] & ~row_F[cur[walk]]]
+    seq = seq_F[pos].astype(np.int64)
+    prev = np.where(row_F[cur], seq_F[cur], -1).astype(np.int64)
+    order = np.lexsort((prev, seq))
+    return seq[order], prev[order]
+
+
 @dataclass
 class RunCosts:
     """Costs of contiguous runs of a unit's sequences (in a DFS leaf order of its trie): the run
-    ``[a, b)`` costs ``full[a] + inc[a+1:b].sum()``. For a trie, ``full`` is a sequence alone and ``inc``
-    what it adds after its predecessor (tokens past their LCP), so a cut at a deep LCP pays for the
-    shared prefix twice: cutting where little is shared is cheaper, and the balance sees it.
-    ``whole`` is the exact cost of the unit (``full[0] + inc[1:].sum()`` unless measured otherwise)."""
+    ``[a, b)`` costs ``full[a] + inc[a+1:b].sum()`` plus ``per_extra`` for each extra row point (``extra_seq``
+    in (a, b), ``extra_prev`` < a: see `_extra_rows`). For a trie, ``full`` is a sequence alone and ``inc``
+    what it adds after its predecessor (tokens past their LCP), so a cut at a deep LCP pays for the shared
+    prefix twice: cutting where little is shared is cheaper, and the balance sees it. ``whole`` is the exact
+    cost of the unit (the run of all its sequences unless measured otherwise)."""
 
     full: np.ndarray  # int64 [S]
     inc: np.ndarray  # int64 [S]
     whole: int
     work: Work | None = None  # the unit's exact work, when it is a pack
+    extra_seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 [X], ascending
+    extra_prev: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 [X]
+    per_extra: int = 0  # the cost of one extra row (the FLOP model's per_predicted)
 
     @property
     def n(self) -> int:
         return int(self.full.shape[0])
 
+    def extra(self, a: int, b: int) -> int:
+        """Extra rows of the run [a, b)."""
+        if not self.per_extra or not len(self.extra_seq):
+            return 0
+        seq, prev = self.extra_seq, self.extra_prev
+        return int(((seq > a) & (seq < b) & (prev < a)).sum())
+
     def run(self, a: int, b: int) -> int:
-        return int(self.full[a] + self.inc[a + 1 : b].sum())
+        return int(self.full[a] + self.cum[b] - self.cum[a + 1]) + self.per_extra * self.extra(a, b)
+
+    @cached_property
+    def cum(self) -> np.ndarray:
+        """``inc``'s prefix sums: ``cum[b] - cum[a]`` is ``inc[a:b].sum()``."""
+        return np.r_[0, np.cumsum(self.inc)]
+
+    def heads(self, a: int, stops: np.ndarray) -> np.ndarray:
+        """Costs of the runs [a, s) for every s in ``stops`` (each > a), vectorised."""
+        cum = self.cum
+        out = self.full[a] + cum[stops] - cum[a + 1]
+        if self.per_extra and len(self.extra_seq):
+            seq = self.extra_seq[(self.extra_seq > a) & (self.extra_prev < a)]  # ascending
+            out = out + self.per_extra * np.searchsorted(seq, stops, side="left")
+        return out
+
+    def tails(self, starts: np.ndarray, b: int) -> np.ndarray:
+        """Costs of the runs [s, b) for every s in ``starts`` (each < b), vectorised: a point (seq, prev)
+        with seq < b counts for the s with prev < s < seq."""
+        cum = self.cum
+        out = self.full[starts] + cum[b] - cum[starts + 1]
+        if self.per_extra and len(self.extra_seq):
+            inside = self.extra_seq < b
+            prev, seq = np.sort(self.extra_prev[inside]), self.extra_seq[inside]  # seq ascending already
+            count = np.searchsorted(prev, starts, side="left") - np.searchsorted(seq, starts, side="right")
+            out = out + self.per_extra * count
+        return out
+
+    def step(self, start: int, s: int) -> int:
+        """What sequence s adds to the run [start, s): ``run(start, s + 1) - run(start, s)``."""
+        out = int(self.inc[s])
+        if self.per_extra and len(self.extra_seq):
+            lo, hi = np.searchsorted(self.extra_seq, [s, s + 1])
+            out += self.per_extra * int(np.searchsorted(self.extra_prev[lo:hi], start, side="left"))
+        return out
 
 
 def run_costs(lengths: np.ndarray, lcp: np.ndarray, rows: np.ndarray, new_rows: np.ndarray, flops: FlopModel,
-              layout: str = "tree", is_leaf: np.ndarray | None = None, whole: int | None = None) -> RunCosts:
-    """`RunCosts` from per-sequence lengths, LCPs with the previous sequence, loss rows and loss rows past
-    that LCP. The predicted (log-prob) term of a run counts each sequence's rows past its LCP: exact for
-    token counts and pairs, an estimate for the head where sequences train on shared tokens."""
+              layout: str = "tree", is_leaf: np.ndarray | None = None, whole: int | None = None,
+              extra: tuple[np.ndarray, np.ndarray] | None = None) -> RunCosts:
+    """`RunCosts` from per-sequence lengths, LCPs with the previous sequence, loss rows, loss rows past
+    that LCP and the extra row points (`_extra_rows`; none if None). ``tree``: the run's trie. ``flat``:
+    every sequence on its own. ``leaf``: the run's leaf sequences on their own, where the last sequence of a
+    run is always a leaf: ``inc`` takes back its predecessor when that one is no leaf (a proper prefix of
+    it, or equal), so only a cut between them makes the prefix a leaf of its piece. The head of ``tree``
+    and ``leaf`` computes each trie token once (targets merged in)."""
     _check_layout(layout)
+    lengths, lcp = np.asarray(lengths, np.int64), np.asarray(lcp, np.int64)
     full = flops.costs(lengths, rows, _pairs(lengths))
-    if layout == "tree":
+    if layout == "flat":
+        inc = full.copy()
+        extra = None
+    elif layout == "tree":
         inc = flops.costs(lengths - lcp, new_rows, _pairs(lengths) - _pairs(lcp))
-    elif layout == "flat":
-        inc = full.copy()
     else:
-        keep = np.ones(len(lengths), bool) if is_leaf is None else is_leaf
-        full = flops.costs(np.where(keep, lengths, 0), rows, np.where(keep, _pairs(lengths), 0))
-        inc = full.copy()
-    total = int(full[0] + inc[1:].sum()) if len(full) else 0
-    return RunCosts(full=full, inc=inc, whole=total if whole is None else int(whole))
+        keep = np.ones(len(lengths), bool) if is_leaf is None else np.asarray(is_leaf, bool)
+        back = np.r_[0, np.where(keep[:-1], 0, lengths[:-1])] if len(lengths) else lengths  # a non-leaf predecessor
+        inc = flops.costs(lengths - back, new_rows, _pairs(lengths) - _pairs(back))
+    costs = RunCosts(full=full, inc=inc, whole=0)
+    if extra is not None and flops.per_predicted:
+        costs.extra_seq, costs.extra_prev = (np.asarray(x, np.int64) for x in extra)
+        costs.per_extra = flops.per_predicted
+    costs.whole = costs.run(0, costs.n) if costs.n and whole is None else int(whole or 0)
+    return costs
 
 
 def pack_run_costs(pack: Pack, flops: FlopModel, layout: str = "tree") -> RunCosts:
@@ -174,7 +260,7 @@ def pack_run_costs(pack: Pack, flops: FlopModel, layout: str = "tree") -> RunCos
     seqs = _PackSequences(pack)
     work = pack_work(pack, layout, _seqs=seqs)
     costs = run_costs(seqs.lengths, seqs.lcp, seqs.rows, seqs.new_rows, flops, layout, is_leaf=seqs.is_leaf,
-                      whole=flops.cost(work))
+                      whole=flops.cost(work), extra=(seqs.extra_seq, seqs.extra_prev))
     costs.work = work
     return costs
 
@@ -190,7 +276,7 @@ def rollout_run_costs(r: Rollouts, index: np.ndarray | None = None, flops: FlopM
     order, lcp = sorted_with_lcp(sub.tokens, sub.offsets, None if scope is None else np.asarray(scope)[index])
     lengths = sub.lengths[order]
     starts = sub.offsets[:-1][order]
-    flat = _ranges(starts, lengths)
+    flat = ranges(starts, lengths)
     seq_F = np.repeat(np.arange(len(order)), lengths)
     depth_F = np.arange(flat.shape[0], dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     mask_F = np.ones(flat.shape[0], bool) if sub.loss_mask is None else sub.loss_mask[flat] > 0
@@ -200,4 +286,6 @@ def rollout_run_costs(r: Rollouts, index: np.ndarray | None = None, flops: FlopM
     is_leaf = np.ones(len(order), bool)
     if len(order) > 1:
         is_leaf[:-1] = lcp[1:] < lengths[:-1]
-    return index[order], run_costs(lengths, lcp, rows, new_rows, flops or TOKENS, layout, is_leaf=is_leaf)
+    extra = _extra_rows(seq_F, depth_F, row_F, lcp, np.cumsum(lengths) - lengths)
+    return index[order], run_costs(lengths, lcp, rows, new_rows, flops or TOKENS, layout, is_leaf=is_leaf,
+                                   extra=extra)

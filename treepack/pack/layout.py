@@ -1,4 +1,4 @@
-"""A pack laid out for training: the arrays of DESIGN §6, in DFS preorder of the pack's sub-trie.
+"""A pack laid out for training: the arrays of docs/design.md §6, in DFS preorder of the pack's sub-trie.
 
 Legend: T = tokens in the pack (real + padding), S = sequences in the pack, F = sum of the S sequences'
 lengths (their flat tokens).
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from treepack.errors import TreepackError
-from treepack.io.rollouts import _ranges
+from treepack.io.rollouts import ranges
 from treepack.io.sequences import check_rollouts, check_token_buffer
 
 if TYPE_CHECKING:
@@ -115,12 +115,12 @@ def build_pack(
     order = tree.order
     seq_offsets, token_index = tree.paths()
     n_real = tree.n_tree_tokens
-    src = _ranges(sub.offsets[:-1][order], tree.lengths)  # flat input positions of each sorted sequence
+    src = ranges(sub.offsets[:-1][order], tree.lengths)  # flat input positions of each sorted sequence
     if sub.loss_mask is None:
         seq_loss_mask = np.ones(len(src), dtype=np.uint8)
     else:
         seq_loss_mask = sub.loss_mask[src]
-    depth_of_entry = _ranges(np.zeros(len(order), np.int64), tree.lengths)
+    depth_of_entry = ranges(np.zeros(len(order), np.int64), tree.lengths)
     trains = (seq_loss_mask > 0) & (depth_of_entry > 0)  # a root token is never predicted
     loss_weight = np.bincount(token_index, weights=trains, minlength=n_real).astype(np.float32)
     input_ids = tree.token_ids().astype(np.int32)
@@ -245,7 +245,7 @@ def reorder(pack: Pack, key_T: np.ndarray) -> Pack:
     seq = np.argsort(leaf_S, kind="stable")  # DFS leaf order: an ancestor (prefix) first, ties as they were
     offsets_S1 = np.asarray(pack.seq_offsets, dtype=np.int64)
     length_S = np.diff(offsets_S1)[seq]
-    flat = _ranges(offsets_S1[:-1][seq], length_S)
+    flat = ranges(offsets_S1[:-1][seq], length_S)
     seq_offsets = np.zeros_like(offsets_S1)
     np.cumsum(length_S, out=seq_offsets[1:])
 

@@ -54,7 +54,7 @@ class _SparseTable:
         return out
 
 
-class _Forest:
+class Forest:
     """A PrefixTree seen by the packers: ranks, batches (steps), LCP of any two ranks, node paths."""
 
     def __init__(self, tree: PrefixTree, batch: np.ndarray, capacity: int):
@@ -209,7 +209,7 @@ class _Forest:
 # first-fit (AReaL)
 
 
-def first_fit_labels(f: _Forest, input_order: np.ndarray | None = None) -> np.ndarray:
+def first_fit_labels(f: Forest, input_order: np.ndarray | None = None) -> np.ndarray:
     """AReaL's greedy trie packing, exactly: each sequence (in input order) into the first pack it fits."""
     t = f.t
     C = f.C
@@ -299,7 +299,7 @@ def first_fit_labels(f: _Forest, input_order: np.ndarray | None = None) -> np.nd
     return _globalize(f, local, n_packs)
 
 
-def _globalize(f: _Forest, local: np.ndarray, n_packs: list[int]) -> np.ndarray:
+def _globalize(f: Forest, local: np.ndarray, n_packs: list[int]) -> np.ndarray:
     """Per-batch pack numbers -> global ones (batches in order)."""
     offset = np.cumsum([0] + n_packs[:-1])
     return local + np.asarray(offset, dtype=np.int64)[f.batch]
@@ -309,18 +309,18 @@ def _globalize(f: _Forest, local: np.ndarray, n_packs: list[int]) -> np.ndarray:
 # dfs (Tree Training) and contiguous cuts of an order
 
 
-def dfs_order_deepest_first(f: _Forest) -> np.ndarray:
+def dfs_order_deepest_first(f: Forest) -> np.ndarray:
     """Tree Training's traversal: children with the deepest leaf first (so similar depths stay together)."""
     return f.dfs_order(-f.subtree_max_length())
 
 
-def dfs_labels(f: _Forest) -> np.ndarray:
+def dfs_labels(f: Forest) -> np.ndarray:
     """Tree Training's packing: one DFS traversal, a new pack whenever the next sequence would overflow."""
     perm = dfs_order_deepest_first(f)
     return next_fit(f, perm)
 
 
-def next_fit(f: _Forest, perm: np.ndarray) -> np.ndarray:
+def next_fit(f: Forest, perm: np.ndarray) -> np.ndarray:
     """Greedy cut of an order: close the pack when the next sequence's new tokens do not fit."""
     add = (f.L[perm] - f.order_lcp(perm)).tolist()
     full = f.L[perm].tolist()
@@ -343,7 +343,7 @@ def next_fit(f: _Forest, perm: np.ndarray) -> np.ndarray:
     return out
 
 
-def contiguous_cut(f: _Forest, perm: np.ndarray) -> np.ndarray:
+def contiguous_cut(f: Forest, perm: np.ndarray) -> np.ndarray:
     """The optimal cut of an order into contiguous packs: min sum of lcp at pack starts.
 
     f[b] = min over a of f[a-1] + lcp_a, over a with lcp_a + sum_{k=a..b} add_k <= C, i.e. with
@@ -395,7 +395,7 @@ def contiguous_cut(f: _Forest, perm: np.ndarray) -> np.ndarray:
 # bottom-up best-fit decreasing (non-contiguous packs), and the child order it induces
 
 
-def bottom_up_labels(f: _Forest) -> tuple[np.ndarray, np.ndarray]:
+def bottom_up_labels(f: Forest) -> tuple[np.ndarray, np.ndarray]:
     """Bin packing at every node, leaves to roots: (labels, a child-order key for ``dfs_order``).
 
     At node v the packs ("bins") of its children are items; best-fit decreasing groups them into as few
@@ -481,11 +481,11 @@ def bottom_up_labels(f: _Forest) -> tuple[np.ndarray, np.ndarray]:
     bp = bin_parent
     for b in range(len(bp) - 1, -1, -1):
         top[b] = b if bp[b] < 0 else top[bp[b]]
-    labels = _renumber(f, top[seq_bin])
+    labels = renumber(f, top[seq_bin])
     return labels, np.asarray(key, dtype=np.int64)
 
 
-def _renumber(f: _Forest, labels: np.ndarray) -> np.ndarray:
+def renumber(f: Forest, labels: np.ndarray) -> np.ndarray:
     """Pack ids 0..P-1 by first appearance in rank order (batches stay in order)."""
     _, first, inv = np.unique(labels, return_index=True, return_inverse=True)
     rank_of = np.empty(len(first), dtype=np.int64)

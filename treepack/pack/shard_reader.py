@@ -4,6 +4,10 @@
 ``read_packs`` rebuilds each sequence's path in O(its length) from the DFS layout (its new tokens are the
 run after the previous leaf, hanging off the previous path) and falls back to walking ``parent`` when a
 layout does not follow that order. The schema is described in `treepack.pack.shards`.
+
+Every read is verified (`treepack.pack.integrity`): the manifest once, then each shard, in the manifest's
+order, before its packs are used; ``check_packs`` (``treepack check``) verifies without reading the packs.
+``unpack`` reads each shard once (the trainer's columns and the kept records together).
 """
 
 from __future__ import annotations
@@ -17,25 +21,37 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from treepack.errors import InputError
 from treepack.io.extras import Extras
 from treepack.io.ingest import is_pack_dir, read_rollouts
-from treepack.io.rollouts import Progress, Rollouts, Source, _ranges
+from treepack.io.rollouts import Progress, Rollouts, Source, ranges
+from treepack.pack.integrity import (
+    ShardCheck,
+    ShardEntry,
+    check_manifest,
+    open_shard,
+    shard_counts,
+    unlisted_shards,
+)
 from treepack.pack.layout import Pack
 from treepack.pack.shards import (
     EXTRA_PREFIX,
     FORMAT,
     MANIFEST,
     READABLE_VERSIONS,
-    SCHEMA_VERSION,
     decode_keys,
 )
 
 
 def read_manifest(path: str | Path) -> dict:
-    """The manifest of a packed directory (checks the format and schema version)."""
+    """The manifest of a packed directory, checked (`treepack.pack.integrity.check_manifest`): its format and
+    schema version, every field the readers use, how its counts add up, no shard file left unlisted."""
+    return _load(path)[1]
+
+
+def _load(path: str | Path) -> tuple[Path, dict, list[ShardEntry]]:
+    """(the directory, its manifest, its shards in the manifest's order), all checked but the shard files."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file or directory")
@@ -43,14 +59,20 @@ def read_manifest(path: str | Path) -> dict:
     if not f.exists() or f.name != MANIFEST:
         raise InputError(f"{p}: no {MANIFEST} (not a directory written by `treepack pack`)")
     try:
-        m = json.loads(f.read_text())
+        m = json.loads(f.read_bytes())
     except json.JSONDecodeError as exc:
         raise InputError(f"{f}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if m.get("format") != FORMAT:
+    except UnicodeDecodeError:
+        raise InputError(f"{f}: not valid JSON (not UTF-8)") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise InputError(f"{f}: not a treepack pack manifest")
-    if m.get("schema_version") not in READABLE_VERSIONS:
-        raise InputError(f"{f}: schema version {m.get('schema_version')} is not supported (this treepack reads {SCHEMA_VERSION})")
-    return m
+    version = m.get("schema_version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise InputError(f"{f}: schema version {json.dumps(version)} is not supported (this treepack reads "
+                         f"{', '.join(map(str, READABLE_VERSIONS))})")
+    entries = check_manifest(m, f)
+    unlisted_shards(f.parent, entries)
+    return f.parent, m, entries
 
 
 def _paths(parent: np.ndarray, position: np.ndarray, leaf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -107,43 +129,61 @@ def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     return (vals if isinstance(vals, list) else np.asarray(vals)), offsets - offsets[0]
 
 
-def _shard_files(path: Path, manifest: dict) -> list[Path]:
-    files = [path / s["file"] for s in manifest["shards"]]
-    missing = [f for f in files if not f.exists()]
-    if missing:
-        raise InputError(f"{missing[0]}: shard listed in the manifest is missing")
-    return files
-
-
-# columns every pack shard has (DESIGN §6): a Parquet file without them is not one
+# columns every pack shard has (docs/design.md §6): a Parquet file without them is not one
 SHARD_COLUMNS = ("input_ids", "position_ids", "parent", "subtree_end", "scale", "loss_weight", "seq_leaf",
                  "seq_ids", "seq_index", "pack_index", "n_real")
+_COUNTED = ("pack_index", "n_real", "seq_leaf")  # what the integrity checks read of each shard
 
 
-def _read_shard(f: Path, keep: Callable[[str], bool]) -> pa.Table:
-    """The columns ``keep`` names of one shard; a file that is not Parquet (cut short, another file) is an
-    input error naming it."""
-    try:
-        return pq.read_table(f, columns=[n for n in pq.read_schema(f).names if keep(n)])
-    except (pa.ArrowException, OSError) as exc:
-        raise InputError(f"{f}: not a readable Parquet shard ({str(exc).splitlines()[0]})") from None
+def _shard_tables(path: Path, entries: list[ShardEntry], keep: Callable[[str], bool],
+                  need: tuple[str, ...] = SHARD_COLUMNS) -> Iterator[tuple[Path, pa.Table]]:
+    """Each shard in the manifest's order, verified (`treepack.pack.integrity`), as its columns ``keep`` names."""
+    check = ShardCheck(path)
+    for e in entries:
+        shard = open_shard(path, e)
+        missing = [n for n in need if n not in shard.names]
+        if missing:
+            shard.confirm()
+            raise InputError(f"{shard.f}: not a treepack pack shard (no column {missing[0]!r})")
+        table = shard.read([n for n in shard.names if keep(n) or n in _COUNTED])
+        check.rows(e, *shard_counts(table))
+        yield shard.f, table
 
 
 def read_packs(path: str | Path) -> Iterator[Pack]:
-    """Yield every pack of a packed directory as a ``Pack`` of numpy arrays, in pack order."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    enc = manifest["id_encoding"]
-    for f in _shard_files(path, manifest):
-        table = _read_shard(f, lambda n: not _is_record_column(n))
-        missing = [n for n in SHARD_COLUMNS if n not in table.column_names]
-        if missing:
-            raise InputError(f"{f}: not a treepack pack shard (no column {missing[0]!r})")
-        cols = {name: _list_column(table, name) for name in table.column_names
-                if pa.types.is_list(table.schema.field(name).type)}
-        scalars = {name: table.column(name).to_pylist() for name in table.column_names if name not in cols}
-        for r in range(table.num_rows):
-            yield _pack_from_row(_row_getter(cols, r), {k: v[r] for k, v in scalars.items()}, set(cols), enc)
+    """Yield every pack of a packed directory as a ``Pack`` of numpy arrays, in the manifest's order; each shard
+    is verified before its packs come (`treepack.pack.integrity`): a corrupt or incomplete directory raises
+    ``InputError`` naming the shard and what differs."""
+    path, manifest, entries = _load(path)
+    for _, table in _shard_tables(path, entries, lambda n: not _is_record_column(n)):
+        yield from _table_packs(table, manifest["id_encoding"])
+
+
+def _table_packs(table: pa.Table, enc: dict) -> Iterator[Pack]:
+    cols = {name: _list_column(table, name) for name in table.column_names
+            if pa.types.is_list(table.schema.field(name).type) and not _is_record_column(name)}
+    scalars = {name: table.column(name).to_pylist() for name in table.column_names
+               if name not in cols and not _is_record_column(name)}
+    for r in range(table.num_rows):
+        yield _pack_from_row(_row_getter(cols, r), {k: v[r] for k, v in scalars.items()}, set(cols), enc)
+
+
+def check_packs(path: str | Path) -> dict:
+    """Verify a packed directory as every reader does, without reading its packs (``treepack check``): the
+    manifest, then each shard's size, sha256 and rows, and the three small columns its counts and pack order
+    come from (a directory written before sha256s: every column, so that every page is decoded). Returns a
+    summary: ``path``, ``schema_version``, ``shards``, ``packs``, ``records``, ``tokens``, ``bytes``, ``sha256``
+    (whether the shards had checksums to verify); raises ``InputError`` naming the shard and what differs."""
+    path, manifest, entries = _load(path)
+    hashed = all(e.sha256 is not None for e in entries)
+    records = tokens = 0
+    for _, table in _shard_tables(path, entries, lambda n: not hashed):
+        _, n_real, n_seqs = shard_counts(table)
+        records += n_seqs
+        tokens += int(n_real.sum())
+    return {"path": str(path), "schema_version": manifest["schema_version"], "shards": len(entries),
+            "packs": manifest["counts"]["packs"], "records": records, "tokens": tokens,
+            "bytes": sum(e.bytes for e in entries), "sha256": hashed}
 
 
 def _is_record_column(name: str) -> bool:
@@ -151,21 +191,19 @@ def _is_record_column(name: str) -> bool:
     return name in ("seq_carry", "seq_record") or name.startswith(EXTRA_PREFIX)
 
 
-def _read_extras(path: Path, manifest: dict, order: np.ndarray) -> Extras | None:
+def _record_part(f: Path, table: pa.Table) -> tuple[np.ndarray, pa.Table]:
+    """A shard's kept records (``seq_carry`` and the record columns), one entry per sequence in pack order."""
+    if "seq_carry" not in table.column_names:
+        raise InputError(f"{f}: not a treepack pack shard (no column 'seq_carry')")
+    carry = np.asarray(table.column("seq_carry").combine_chunks().flatten(), dtype=np.uint8)
+    names = [n for n in table.column_names if _is_record_column(n) and n != "seq_carry"]
+    return carry, pa.table({n: table.column(n).combine_chunks().flatten() for n in names})
+
+
+def _read_extras(rec: dict, parts: list[tuple[np.ndarray, pa.Table]], order: np.ndarray) -> Extras:
     """The kept records of a schema-2 directory, in input order (``order`` sorts the packed sequences)."""
-    rec = manifest.get("records")
-    if not rec:
-        return None
-    carry, parts = [], []
-    for f in _shard_files(path, manifest):
-        table = _read_shard(f, _is_record_column)
-        if "seq_carry" not in table.column_names:
-            raise InputError(f"{f}: not a treepack pack shard (no column 'seq_carry')")
-        carry.append(np.asarray(table.column("seq_carry").combine_chunks().flatten(), dtype=np.uint8))
-        rest = table.drop_columns(["seq_carry"])
-        parts.append(pa.table({n: rest.column(n).combine_chunks().flatten() for n in rest.column_names}))
-    carry_all = np.concatenate(carry)[order]
-    table = pa.concat_tables(parts).take(pa.array(order))
+    carry_all = np.concatenate([c for c, _ in parts])[order]
+    table = pa.concat_tables([t for _, t in parts]).take(pa.array(order))
     if rec["kind"] == "json":
         return Extras(tokens_field=rec["tokens_field"], carry=carry_all,
                       templates=table.column("seq_record").to_pylist())
@@ -230,11 +268,12 @@ def unpack(path: str | Path, *, records: bool = True) -> Rollouts:
 
     ``records``: also the fields kept for an exact round trip (``Rollouts.extras``; directories written by
     treepack 0.1 with schema version 1 have none: unknown fields were not kept). ``stats`` needs none."""
-    path = Path(path)
-    manifest = read_manifest(path)
+    path, manifest, entries = _load(path)
     fields = manifest["fields"]
+    rec = manifest.get("records") if records else None
+    parts: list[tuple[np.ndarray, pa.Table]] = []
     index, tokens, lengths, masks, lps, ids, groups, steps, advs, rews = ([] for _ in range(10))
-    for pack in read_packs(path):
+    for pack in _unpack_packs(path, manifest, entries, rec, parts):
         index.append(pack.seq_index)
         tokens.append(pack.input_ids[pack.seq_token_index])
         lengths.append(pack.seq_lengths)
@@ -256,7 +295,7 @@ def unpack(path: str | Path, *, records: bool = True) -> Rollouts:
     if np.any(seq_index[order][1:] == seq_index[order][:-1]):
         raise InputError(f"{path}: a record appears in two packs")
     starts = np.cumsum(lens) - lens
-    gather = _ranges(starts[order], lens[order])
+    gather = ranges(starts[order], lens[order])
     offsets = np.zeros(len(order) + 1, dtype=np.int64)
     np.cumsum(lens[order], out=offsets[1:])
 
@@ -288,8 +327,17 @@ def unpack(path: str | Path, *, records: bool = True) -> Rollouts:
         rewards=cat(rews) if fields["reward"] else None,
         sources=_sources(manifest),
         skipped=Counter(manifest["counts"].get("skipped_reasons", {})),
-        extras=_read_extras(path, manifest, order) if records else None,
+        extras=_read_extras(rec, parts, order) if rec else None,
     )
+
+
+def _unpack_packs(path: Path, manifest: dict, entries: list[ShardEntry], rec: dict | None,
+                  parts: list) -> Iterator[Pack]:
+    """Every pack, each shard read once: its kept records (when ``rec``) go to ``parts``."""
+    for f, table in _shard_tables(path, entries, lambda n: rec is not None or not _is_record_column(n)):
+        if rec is not None:
+            parts.append(_record_part(f, table))
+        yield from _table_packs(table, manifest["id_encoding"])
 
 
 def _sources(manifest: dict) -> list[Source]:
@@ -330,8 +378,8 @@ def read_inputs(
     oversize = int(manifest["counts"].get("oversize_skipped", 0))
     if oversize:
         r.skipped[OVERSIZE_REASON] += oversize
-    if not keep_token_fields:
-        r.loss_mask = r.logprobs = None
+    if not keep_token_fields:  # as read_rollouts: logprobs go, loss masks stay (the FLOP model counts targets)
+        r.logprobs = None
     if progress is not None:
         progress(pack_dir_bytes(where))
     return r

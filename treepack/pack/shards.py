@@ -1,9 +1,9 @@
-"""Packed shards on disk: Parquet files with one row per pack (DESIGN §6) plus ``manifest.json``, and
+"""Packed shards on disk: Parquet files with one row per pack (docs/design.md §6) plus ``manifest.json``, and
 ``write_shards``. Reading them back (``read_packs`` -> ``Pack``, ``unpack`` -> ``Rollouts``) is
 `treepack.pack.shard_reader`.
 
 Row schema (T = tokens of the pack incl. padding, S = its sequences; list columns unless noted):
-- ``input_ids, position_ids, parent, subtree_end`` int32 [T]; ``scale, loss_weight`` float32 [T] (§6);
+- ``input_ids, position_ids, parent, subtree_end`` int32 [T]; ``scale, loss_weight`` float32 [T] (§6 there);
 - ``loss_mask`` int8 [T]: the loss mask every sequence through the token agrees on, or -1 where they
   differ (a multi-turn history: trained in the turn that wrote it, context in later turns); then
   ``seq_loss_mask`` int8 holds, sequence by sequence and root to leaf, the values at those tokens only;
@@ -33,6 +33,7 @@ new tokens are the run after the previous leaf, hanging off the previous path) a
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 import re
@@ -47,17 +48,19 @@ from treepack import __version__
 from treepack.errors import TreepackError
 from treepack.io.atomic import atomic_dir
 from treepack.io.extras import Extras
+from treepack.io.ingest import rollout_files
 from treepack.io.records import key_encoding
 from treepack.io.rollouts import Rollouts
 from treepack.pack.balance import Balance, balance_packs, pack_costs
+from treepack.pack.integrity import DIGEST_KEY, content_digest
 from treepack.pack.layout import Pack, build_pack
 from treepack.pack.strategies import Packing
 from treepack.sizes import parse_size
 from treepack.stats import DEFAULT_MODEL, TreeStats
 from treepack.tree import scope_codes
 
-SCHEMA_VERSION = 2  # 2: every record kept (``records``, ``seq_carry``, ``seq_record`` / ``extra:*``)
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3  # 2: every record kept (``records``, ``seq_carry``, ``seq_record`` / ``extra:*``); 3: integrity
+READABLE_VERSIONS = (1, 2, 3)  # (per shard sha256, records, tokens; page checksums; the manifest's content_sha256)
 EXTRA_PREFIX = "extra:"  # Parquet input: the column NAME of a record is the per-sequence list column extra:NAME
 FORMAT = "treepack.packs"
 MANIFEST = "manifest.json"
@@ -115,6 +118,7 @@ class _ShardWriter:
         self.n_rows = 0
         self.bytes = 0
         self.first_pack = None
+        self.records = self.tokens = 0
 
     def add(self, row: dict, pack_index: int) -> None:
         if self.first_pack is None:
@@ -124,6 +128,8 @@ class _ShardWriter:
             self.cols[name].append(v)
             self.bytes += getattr(v, "nbytes", 8)
         self.n_rows += 1
+        self.records += len(row["seq_index"])
+        self.tokens += int(row["n_real"])
         kind, n = self.limit
         if (kind == "packs" and self.n_rows >= n) or (kind == "bytes" and self.bytes >= n):
             self.flush()
@@ -142,9 +148,14 @@ class _ShardWriter:
                 arrays.append(pa.array(vals, type=f.type))
         table = pa.Table.from_arrays(arrays, schema=self.schema)
         name = _SHARD_NAME.format(len(self.files))
-        pq.write_table(table, self.out / name, row_group_size=64, compression="zstd")
-        self.files.append({"file": name, "packs": self.n_rows, "first_pack": self.first_pack,
-                           "bytes": (self.out / name).stat().st_size})
+        sink = pa.BufferOutputStream()  # hashed in memory, written once
+        pq.write_table(table, sink, row_group_size=64, compression="zstd", write_page_checksum=True)
+        data = sink.getvalue()
+        with open(self.out / name, "wb") as fh:
+            fh.write(data)
+        self.files.append({"file": name, "packs": self.n_rows, "first_pack": self.first_pack, "bytes": data.size,
+                           "sha256": hashlib.sha256(data).hexdigest(), "records": self.records,
+                           "tokens": self.tokens})
         self._reset()
 
 
@@ -256,11 +267,17 @@ def _records_entry(extras: Extras) -> dict:
 
 
 def check_output_dir(out: Path) -> None:
-    """Refuse an output path that is a file or already holds packed shards (never mix two packings)."""
+    """Refuse an output path that is a file, already holds packed shards (never mix two packings), or holds
+    rollout files: a pack directory reads as its packs only, so every reader would pass over them."""
     if out.exists() and not out.is_dir():
         raise TreepackError(f"{out}: exists and is not a directory")
     if out.is_dir() and ((out / MANIFEST).exists() or any(out.glob("shard-*.parquet"))):
         raise TreepackError(f"{out}: already holds packed shards; remove them or choose another output directory")
+    held = rollout_files(out) if out.is_dir() else []
+    if held:
+        more = f" and {len(held) - 1:,} more" if len(held) > 1 else ""
+        raise TreepackError(f"{out}: holds rollout files ({held[0]}{more}), which every reader would pass over once "
+                            "it is a pack directory (it reads as its packs only); choose another output directory")
 
 
 def write_shards(
@@ -337,7 +354,7 @@ def _write(rollouts: Rollouts, packing: Packing, out: Path, limit: tuple[str, in
             progress(1)
     writer.flush()
 
-    if stats is None:  # the manifest holds the input's stats (DESIGN §6) whoever calls
+    if stats is None:  # the manifest holds the input's stats (docs/design.md §6) whoever calls
         from treepack.stats import compute_stats
         from treepack.tree import PrefixTree
 
@@ -375,6 +392,8 @@ def _write(rollouts: Rollouts, packing: Packing, out: Path, limit: tuple[str, in
         "balance": None if bal is None else bal.to_dict(),
         "shards": writer.files,
     }
+    manifest = json.loads(json.dumps(manifest, allow_nan=True))  # as readers will see it (keys as strings)
+    manifest[DIGEST_KEY] = content_digest(manifest)  # any later edit of a field is refused by the readers
     with open(out / MANIFEST, "w") as fh:
         json.dump(manifest, fh, indent=1, allow_nan=True)
         fh.write("\n")

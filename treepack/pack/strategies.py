@@ -63,14 +63,14 @@ from treepack.io.rollouts import Rollouts
 from treepack.io.sequences import check_rollouts
 from treepack.pack.multipath import BudgetExceeded, TreeView, solve
 from treepack.pack.packers import (
-    _Forest,
-    _renumber,
+    Forest,
     bottom_up_labels,
     contiguous_cut,
     dfs_labels,
     dfs_order_deepest_first,
     first_fit_labels,
     next_fit,  # noqa: F401 (re-exported: moved to treepack.pack.packers, still importable from here)
+    renumber,
 )
 from treepack.sizes import parse_size
 from treepack.tree import PrefixTree, scope_codes
@@ -189,7 +189,7 @@ def pack_sequences(
     if (tree is None or not _same_batch(tree, rollouts) or not _batches_contiguous(batch_in[tree.order])
             or not np.array_equal(tree.scope, np.zeros(len(rollouts), np.int64) if scope is None else scope[tree.order])):
         tree = PrefixTree.from_arrays(rollouts.tokens, rollouts.offsets, scope)
-    forest = _Forest(tree, batch_in[tree.order], capacity)
+    forest = Forest(tree, batch_in[tree.order], capacity)
     if forest.n == 0:
         labels, details = np.zeros(0, np.int64), {}
     elif strategy == "first-fit":
@@ -230,7 +230,7 @@ def _batches_contiguous(batch: np.ndarray) -> bool:
 # optimal (and the beam of it that `best` uses): Tree Training's multi-path DP, see treepack.pack.multipath
 
 
-def step_views(f: _Forest) -> list[TreeView]:
+def step_views(f: Forest) -> list[TreeView]:
     """The nodes of each step as a ``multipath.TreeView`` (with the per-node lower bound of extra tokens)."""
     t = f.t
     C = f.C
@@ -264,7 +264,7 @@ def _step_of(sizes: np.ndarray, b: int | None = None) -> str:
     return f"a step of {n:,} sequences"
 
 
-def optimal_labels(f: _Forest, max_sequences: int = OPTIMAL_MAX_SEQUENCES) -> np.ndarray:
+def optimal_labels(f: Forest, max_sequences: int = OPTIMAL_MAX_SEQUENCES) -> np.ndarray:
     """The minimum-N_pack packing, by the exact multi-path DP; refused on steps above ``max_sequences``."""
     sizes = np.diff(f.batch_bounds)
     if sizes.max(initial=0) > max_sequences:
@@ -283,10 +283,10 @@ def optimal_labels(f: _Forest, max_sequences: int = OPTIMAL_MAX_SEQUENCES) -> np
                 f"strategy 'optimal': the exact DP tried more than {OPTIMAL_BUDGET:,} assignments on "
                 f"{_step_of(sizes, b)}; the tree is too large for it (use strategy 'best')"
             ) from None
-    return _renumber(f, labels)
+    return renumber(f, labels)
 
 
-def _replace_batch(f: _Forest, labels: np.ndarray, b: int, upper: int, view: TreeView, *,
+def _replace_batch(f: Forest, labels: np.ndarray, b: int, upper: int, view: TreeView, *,
                    beam: int | None = None, budget: int | None = None) -> tuple[np.ndarray, int]:
     """(labels, N_pack of step b): step b's packs replaced by the DP's when they cost less than ``upper``
     (the current N_pack of the step), or as much in fewer packs."""
@@ -309,7 +309,7 @@ def _replace_batch(f: _Forest, labels: np.ndarray, b: int, upper: int, view: Tre
 # best
 
 
-def areal_dta_key(f: _Forest) -> np.ndarray:
+def areal_dta_key(f: Forest) -> np.ndarray:
     """AReaL-DTA Algorithm 1's child order: leaf children first, then by ``tail`` (the depth its order ends at)."""
     t = f.t
     parent = t.node_parent.tolist()
@@ -327,7 +327,7 @@ def areal_dta_key(f: _Forest) -> np.ndarray:
     return np.asarray(key, dtype=np.int64)
 
 
-def candidate_orders(f: _Forest) -> dict[str, np.ndarray]:
+def candidate_orders(f: Forest) -> dict[str, np.ndarray]:
     """DFS leaf orders worth cutting: the child orders that decide which subtrees end up side by side.
 
     Above ``FEW_ORDERS_ABOVE`` sequences only the two that ever won alone in the benchmark are cut (plus the
@@ -341,7 +341,7 @@ def candidate_orders(f: _Forest) -> dict[str, np.ndarray]:
     return orders
 
 
-def _per_batch(f: _Forest, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _per_batch(f: Forest, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(N_pack, packs) per batch of a labelling."""
     nb = len(f.batch_bounds) - 1
     uniq = np.unique(labels)
@@ -351,7 +351,7 @@ def _per_batch(f: _Forest, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return f.cost(labels), packs
 
 
-def best_labels(f: _Forest, exact_budget: int | None = None) -> tuple[np.ndarray, dict]:
+def best_labels(f: Forest, exact_budget: int | None = None) -> tuple[np.ndarray, dict]:
     """The cheapest, per step, of every candidate (see the module docstring); never worse than any of them.
 
     ``exact_budget``: assignments the exact DP may try per small step (default ``BEST_EXACT_BUDGET``; 0: none).
@@ -374,7 +374,7 @@ def best_labels(f: _Forest, exact_budget: int | None = None) -> tuple[np.ndarray
     for b in range(len(f.batch_bounds) - 1):
         lo, hi = f.batch_bounds[b], f.batch_bounds[b + 1]
         combined[lo:hi] = cands[names[pick[b]]][lo:hi]
-    labels = _renumber(f, f.batch * (f.n + 1) + combined)  # candidates' labels overlap: key by batch too
+    labels = renumber(f, f.batch * (f.n + 1) + combined)  # candidates' labels overlap: key by batch too
     details = {"candidates": {k: int(tokens[i].sum()) for i, k in enumerate(names)},
                "chosen": {names[i]: int((pick == i).sum()) for i in np.unique(pick).tolist()}}
     upper = tokens[pick, np.arange(tokens.shape[1])]
@@ -392,7 +392,7 @@ def best_labels(f: _Forest, exact_budget: int | None = None) -> tuple[np.ndarray
                 except BudgetExceeded:
                     pass
             upper[b] = cost
-        labels = _renumber(f, f.batch * (f.n + 1) + labels)
+        labels = renumber(f, f.batch * (f.n + 1) + labels)
     details["n_pack_tokens"] = int(upper.sum())
     return labels, details
 

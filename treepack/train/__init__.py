@@ -8,7 +8,10 @@
 - ``modes``: ``tree`` (one pass per pack), ``dfs`` (depth first, bounded graph), the baselines ``dense``
   and ``dense-leaf`` (micro-batched), ``auto`` (per pack the faster of tree and dense-leaf);
 - ``data``: packs from shard directories or rollouts packed on the fly, global batches;
-- ``loop``, ``checkpoint``: the training loop, save/resume; ``verify``: every mode against a dense baseline.
+- ``loop``: the one training loop, any world size; ``sync``: its gradient sync (one process, or FSDP2 ranks:
+  ``parallel``, ``fsdp``, ``distributed``); ``model_source``: where the model comes from (``hf`` registers from
+  ``treepack.hf.trainer``); ``metrics``, ``run_log``: a step's numbers and where they go (metrics.jsonl,
+  TensorBoard, W&B); ``checkpoint``: save/resume in either format; ``verify``: every mode against a dense baseline.
 
 Importing this package imports nothing heavy; the submodules other than ``config`` and ``data`` need torch.
 """

@@ -3,8 +3,10 @@
 `AttentionContext` is built once per forward from the pack (for tree mode it carries the kernel's
 `TreeMaskInfo`, whose block schedule is reused by every layer) and handed to each layer. Two kinds:
 ``tree`` (``treepack.kernels.tree_attention`` with the mask ``k <= q < subtree_end[k]``, plus an optional
-cached prefix visible to every query) and ``causal`` (independent sequences laid end to end: per-sequence
-SDPA, the dense baseline that shares no code with the tree kernel, or the tree kernel over chains).
+cached prefix visible to every query) and ``causal`` (independent sequences laid end to end, the dense
+baseline that shares no code with the tree kernel: ``treepack.kernels.varlen``, one varlen call per layer on
+a GPU, SDPA per sequence on a CPU; or a tree kernel over chains). Which backend runs a call is the kernels'
+registry's answer (`treepack.kernels.tree_attention.registry.resolve`).
 
 Legend (shape suffixes): T call tokens, P cached-prefix tokens, H query heads, K key/value heads, E head
 dim, S sequences (or keys of one causal chunk), C queries of a chunk.
@@ -19,13 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from treepack.errors import ConfigError
-
-ATTENTION_IMPLS = ("auto", "reference", "flex", "triton", "fa4", "sdpa")
+from treepack.kernels.tree_attention import registry
+from treepack.kernels.tree_attention.registry import AttentionCall, BackendError
 
 KV = tuple[Tensor, Tensor]  # (keys [P or T, K, E], values [P or T, K, E]) of one layer
 
@@ -51,14 +51,16 @@ class AttentionContext:
     ``kind="tree"``: the mask ``k <= q < subtree_end[k]`` through ``treepack.kernels.tree_attention``;
     ``mask`` is an int32 [T] tensor or the kernel's prepared `TreeMaskInfo` (block schedule built once);
     for the reference backend, ``segments`` cuts the pack into runs no other query attends into.
-    ``kind="causal"``: independent causal sequences of ``lengths`` laid end to end, each run through
-    ``F.scaled_dot_product_attention`` (``impl="sdpa"``): the dense baseline.
+    ``kind="causal"``: independent causal sequences of ``lengths`` laid end to end, run by the causal
+    backend ``impl`` resolves to per call (``sdpa``: ``F.scaled_dot_product_attention`` per sequence): the dense
+    baseline.
     """
 
     kind: str  # "tree" | "causal"
-    impl: str = "auto"  # tree kernel backend (auto | reference | flex | triton | fa4) or "sdpa" for causal
+    impl: str = "auto"  # a backend name of the kind's family in the registry, or auto
     mask: Any = None  # tree: int32 [T] subtree_end or TreeMaskInfo
     lengths: tuple[int, ...] = ()  # causal: sequence lengths, summing to T
+    batch: Any = None  # causal: the lengths as a `treepack.kernels.varlen.CausalBatch` (offsets on the device)
     segments: tuple[tuple[int, int, Tensor], ...] = ()  # reference backend: (start, end, local subtree_end)
     schedule: KernelSchedule | None = None  # built by the caller (a dfs call graph's masked prefix); else derived
 
@@ -72,8 +74,10 @@ class AttentionContext:
         from treepack.kernels import prepare
         from treepack.kernels.tree_attention.blocks import check_subtree_end_values
 
-        if impl not in ATTENTION_IMPLS or impl == "sdpa":
-            raise ConfigError(f"tree attention impl must be auto, reference, flex, triton or fa4, got {impl!r}")
+        try:
+            registry.check("tree", impl)
+        except BackendError as exc:
+            raise ConfigError(str(exc)) from None
         subtree_end_T = subtree_end_T.to(torch.int32)
         # The schedule validates k < subtree_end[k] <= T (one sync, or none with ``host``) and lets the GPU
         # backends skip masked blocks; the reference backend (auto off CUDA) reads subtree_end directly, one
@@ -95,12 +99,19 @@ class AttentionContext:
         return cls(kind="tree", impl=impl, mask=subtree_end_T, segments=segments)
 
     @classmethod
-    def causal(cls, lengths: Sequence[int], impl: str = "sdpa", device: torch.device | None = None
+    def causal(cls, lengths: Sequence[int], impl: str = "auto", device: torch.device | None = None
                ) -> AttentionContext:
-        """Independent causal sequences: SDPA per sequence, or the tree kernel over a forest of chains."""
+        """Independent causal sequences: a causal backend (auto: resolved per call; SDPA per sequence on a
+        CPU), or a tree kernel named over a forest of chains."""
+        from treepack.kernels.varlen import CausalBatch
+
         lengths = tuple(int(n) for n in lengths)
-        if impl == "sdpa":
-            return cls(kind="causal", impl="sdpa", lengths=lengths)
+        try:
+            chains = impl != "auto" and registry.backend("causal", impl).chains
+        except BackendError as exc:
+            raise ConfigError(str(exc)) from None
+        if not chains:
+            return cls(kind="causal", impl=impl, lengths=lengths, batch=CausalBatch.of(lengths, device))
         from treepack.kernels import chains_subtree_end
 
         return cls.tree(chains_subtree_end(lengths, device=device), impl)
@@ -110,24 +121,24 @@ class AttentionContext:
         """The fused kernel's inputs when this context runs one (a tree mask on CUDA, or on CPU under Triton's
         interpreter with impl triton; a dtype and head dim it supports), else None: what lets a compiled layer
         call the kernel itself. Built once per forward (``prefix_len``: the cached keys every layer sees).
-        ``impl="auto"`` asks `backends.pick_backend` (fa4 for large calls where installed, else triton)."""
+        The backend is the registry's answer for the call (auto: fa4 for large calls where installed, else
+        triton); one that cannot run leaves the call to the eager path, which reports why."""
         from treepack.kernels import TreeMaskInfo
-        from treepack.kernels.tree_attention.api import _interpreting
-        from treepack.kernels.tree_attention.backends import pick_backend
+        from treepack.kernels.tree_attention.backends import interpreting
 
         if self.schedule is not None:
             return self.schedule
-        runs_triton = device.type == "cuda" or (device.type == "cpu" and _interpreting() and self.impl == "triton")
-        if self.kind != "tree" or self.impl not in ("auto", "triton", "fa4") or not runs_triton:
-            return None
-        if not isinstance(self.mask, (TreeMaskInfo, Tensor)):
+        runs_triton = device.type == "cuda" or (device.type == "cpu" and interpreting() and self.impl == "triton")
+        if self.kind != "tree" or not runs_triton or not isinstance(self.mask, (TreeMaskInfo, Tensor)):
             return None
         mask_T = self.mask.subtree_end_T if isinstance(self.mask, TreeMaskInfo) else self.mask
         T = mask_T.shape[0]
-        op = self.impl
-        if op == "auto":
-            pairs = self.mask.cache.get("pairs") if isinstance(self.mask, TreeMaskInfo) else None
-            op = pick_backend(T, heads, head_dim, dtype, device, prefix_len=prefix_len, pairs=pairs)
+        pairs = self.mask.cache.get("pairs") if isinstance(self.mask, TreeMaskInfo) else None
+        call = AttentionCall(device, dtype, heads, head_dim, T, prefix_len, pairs)
+        try:
+            op = registry.resolve("tree", self.impl, call).name
+        except BackendError:
+            return None
         if op == "fa4":
             from treepack.kernels.tree_attention import fa4
 
@@ -139,13 +150,9 @@ class AttentionContext:
                                   config=[block_q, order])
         if op != "triton":
             return None
-        from treepack.kernels.tree_attention.api import TRITON_DTYPES, TRITON_HEAD_DIMS, _triton_importable
-
-        if dtype not in TRITON_DTYPES or head_dim not in TRITON_HEAD_DIMS or not _triton_importable():
-            return None
         from treepack.kernels.tree_attention.triton import GPU_DEFAULT, PINNED, schedule_for
 
-        config = PINNED if _interpreting() else GPU_DEFAULT
+        config = PINNED if interpreting() else GPU_DEFAULT
         if T <= max(config.sched_m, config.sched_n):
             return None  # one schedule block: Dynamo would specialise (recompile) for its size-1 tables
         info = schedule_for(self.mask, config)
@@ -170,7 +177,11 @@ class AttentionContext:
                                   impl=self.impl)
         if prefix is not None:
             raise ValueError("a cached prefix needs a tree attention context (the causal one has none)")
-        return _causal_sdpa(q_THE, k_TKE, v_TKE, self.lengths)
+        try:
+            backend = registry.resolve("causal", self.impl, AttentionCall.of(q_THE, k_TKE, v_TKE))
+        except BackendError as exc:
+            raise ValueError(f"impl={self.impl!r}: {exc.reason}") from None
+        return backend.run(q_THE, k_TKE, v_TKE, self.batch if self.batch is not None else self.lengths)
 
 
 SEGMENT_MIN_TOKENS = 1024  # independent trees are grouped into calls of at least this many tokens
@@ -199,46 +210,3 @@ def _independent_segments(subtree_end_T: Tensor) -> tuple[tuple[int, int, Tensor
         return ()
     cuts.append(T)
     return tuple((a, b, subtree_end_T[a:b] - a) for a, b in itertools.pairwise(cuts))
-
-
-CAUSAL_SCORE_BUDGET = 1 << 24  # score elements per SDPA call of the causal path (128 MiB in float64)
-
-
-def _causal_chunk(q_HCE: Tensor, k_HSE: Tensor, v_HSE: Tensor, q0: int) -> Tensor:
-    """Queries q0..q0+C of one sequence over its keys 0..S-1 (S = q0 + C), causally."""
-    C, S = q_HCE.shape[1], k_HSE.shape[1]
-    q, k, v = q_HCE[None], k_HSE[None], v_HSE[None]  # [1, H, *, E]: the fused kernels need 4-d inputs
-    if q0 == 0 and C == S:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)[0]
-    dev = q_HCE.device
-    visible_CS = torch.arange(S, device=dev)[None, :] <= torch.arange(q0, q0 + C, device=dev)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible_CS)[0]
-
-
-def _causal_sdpa(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, lengths: Sequence[int]) -> Tensor:
-    """Causal attention within each of the concatenated sequences. On CUDA: one ``is_causal`` SDPA call
-    per sequence (flash / memory-efficient kernels, O(L) memory). Elsewhere SDPA's math path keeps the
-    O(L^2) probabilities for backward (27 GB in float64 for the 53 sequences of two 16k-token tau-bench
-    packs), so there a sequence runs in query chunks of at most `CAUSAL_SCORE_BUDGET` scores, each
-    checkpointed: memory O(chunk) at the price of recomputing the forward once."""
-    T, H = q_THE.shape[:2]
-    if sum(lengths) != T:
-        raise ValueError(f"causal attention: sequence lengths sum to {sum(lengths)}, tokens T={T}")
-    groups = H // k_TKE.shape[1]
-    recompute = (torch.is_grad_enabled() and q_THE.device.type != "cuda"
-                 and (q_THE.requires_grad or k_TKE.requires_grad or v_TKE.requires_grad))
-    outs, start = [], 0
-    for n in lengths:
-        q_HLE = q_THE[start : start + n].transpose(0, 1)
-        k_HLE = k_TKE[start : start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
-        v_HLE = v_TKE[start : start + n].transpose(0, 1).repeat_interleave(groups, dim=0)
-        # CUDA's flash / memory-efficient kernels keep O(L) state: one causal call per sequence there.
-        chunk = n if q_THE.device.type == "cuda" else max(1, CAUSAL_SCORE_BUDGET // (H * n))
-        parts = []
-        for q0 in range(0, n, chunk):
-            q1 = min(q0 + chunk, n)
-            args = (q_HLE[:, q0:q1], k_HLE[:, :q1], v_HLE[:, :q1], q0)
-            parts.append(checkpoint(_causal_chunk, *args, use_reentrant=False) if recompute else _causal_chunk(*args))
-        outs.append((torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).transpose(0, 1))
-        start += n
-    return torch.cat(outs, dim=0) if len(outs) != 1 else outs[0]

@@ -19,20 +19,19 @@ import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
+import treepack.train.attention  # noqa: F401 - registers the dense baseline's attention backend (sdpa)
 from treepack.errors import ConfigError, TreepackError
+from treepack.kernels.tree_attention import registry
 from treepack.pack.layout import CHILD_ORDERS
-from treepack.sizes import parse_size
+from treepack.sizes import parse_size, parse_token_count
 from treepack.train.memory_limit import MemoryLimit, parse_memory_limit
-from treepack.train.modes.dfs_schedule import MERGE_ANCHOR_TOKENS
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the backport has the same API
     import tomli as tomllib
 
-MODES = ("tree", "dense", "dense-leaf", "dfs", "auto")
 DFS_ORDERS = ("backward", "layout")
-ATTENTION = ("auto", "reference", "flex", "triton", "fa4", "sdpa")
 DTYPES = ("auto", "float32", "bfloat16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("constant", "cosine")
@@ -144,12 +143,46 @@ class LossConfig:
 
 
 @dataclass
+class DfsConfig:
+    """``[train.dfs]``: AReaL-DTA's depth-first mode (`treepack.train.modes.dfs`), handed whole to `DfsMode`."""
+
+    # most tokens forwarded with grad in one call: auto (the largest the GPU's memory allows, printed at the
+    # start; treepack.train.modes.dfs_memory) | a size such as 8192 or "8k" | 0 (unlimited: a pack in one call)
+    block_size: str = "auto"
+    # shared segments kept with their graph instead of re-forwarded: tokens, 4096 or a size such as "4K" (0 = off)
+    keep_tokens: int = 0
+    order: str = "backward"  # leaf order, backward (AReaL-DTA Algorithm 1) | layout (the pack's)
+    subtree_calls: bool = True  # pop subtrees that fit a block in one tree call (false: leaf by leaf)
+    # an anchor (a shared segment forwarded without grad) of up to this many tokens rides in the grad call before
+    # it: one model call fewer per anchor, at most this many tokens more in that call's graph (0 = off)
+    merge_anchor_tokens: int = 512
+    # a call shape met again is captured as a CUDA graph and replayed (FA4 and compile on CUDA; keep steps
+    # stay eager): no host time per call, ~1.8 GiB more reserved (treepack.train.modes.dfs_graphs)
+    cuda_graphs: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, int) and not isinstance(self.block_size, bool):
+            self.block_size = str(self.block_size)  # as TOML's block_size = 8192 arrives
+        self.block  # noqa: B018 - validates train.dfs.block_size
+        self.keep_tokens = parse_dfs_keep(self.keep_tokens, "train.dfs.keep_tokens")
+        _positive("train.dfs.merge_anchor_tokens", self.merge_anchor_tokens, zero_ok=True)
+        _one_of("train.dfs.order", self.order, DFS_ORDERS)
+
+    @property
+    def block(self) -> int | str:
+        """``block_size`` as `DfsMode` plans with it: "auto", or tokens (0: unlimited)."""
+        return parse_dfs_block(self.block_size, "train.dfs.block_size")
+
+
+@dataclass
 class TrainConfig:
     mode: str = "tree"  # tree (tree attention over each pack) | dense (every sequence separately: the baseline)
     # | dense-leaf (only the sequences that are not a prefix of another; same loss) | dfs (AReaL-DTA: depth-first
-    # over each pack's tree, cached path K/V, graph bounded by dfs_block_size) | auto (per pack, the faster of
-    # tree and dense-leaf by the FLOP model and the GPU's speed table; printed at the start)
-    attention: str = "auto"  # tree kernel: auto | reference | flex | triton | fa4; dense: sdpa unless one is named
+    # over each pack's tree, cached path K/V, graph bounded by [train.dfs] block_size) | auto (per pack, the faster
+    # of tree and dense-leaf by the FLOP model and the GPU's speed table; printed at the start)
+    # attention backend (treepack.kernels.tree_attention.registry), resolved per call: auto | reference | flex |
+    # triton | fa4; the dense modes also sdpa (their auto: per-sequence SDPA on a CPU)
+    attention: str = "auto"
     steps: int = 100  # optimizer steps (global batches)
     lr: float = 3e-4  # peak AdamW learning rate
     schedule: str = "constant"  # constant | cosine (decays to min_lr_ratio * lr at the last step)
@@ -171,39 +204,29 @@ class TrainConfig:
     # compiled layers: share of the saved activations the compiler may keep (1 = all it wants); below 1 it
     # recomputes cheap ops in backward instead: tau-bench dfs B=8192 on an H200, 0.7: 16.6 -> 13.1 GiB, 1.15x time
     activation_memory_budget: float = 1.0
-    # dfs: most tokens forwarded with grad in one call: auto (the largest the GPU's memory allows, printed at the
-    # start; treepack.train.modes.dfs_memory) | a size such as 8192 or "8k" | 0 (unlimited: a pack in one call)
-    dfs_block_size: str = "auto"
-    # dfs: shared segments kept with their graph instead of re-forwarded: tokens, 4096 or a size such as "4K" (0 = off)
-    dfs_keep_tokens: int = 0
-    dfs_order: str = "backward"  # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout (the pack's)
-    dfs_subtree_calls: bool = True  # dfs: pop subtrees that fit a block in one tree call (false: leaf by leaf)
-    dfs_merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS  # dfs: an anchor up to this size rides in the call before it
-    # dfs: a call shape met again is captured as a CUDA graph and replayed (FA4 and compile on CUDA; keep steps
-    # stay eager): no host time per call, ~1.8 GiB more reserved (treepack.train.modes.dfs_graphs)
-    dfs_cuda_graphs: bool = False
     # dense, dense-leaf, auto: most tokens forwarded at once, micro-batches back-propagated one by one ("" = each
     # pack's own size, the memory of the tree step of the same pack; e.g. "32k")
     micro_batch_tokens: str = ""
     speed_table: str = ""  # auto: JSON speed table (benchmarks/speed_table.py); "" = the built-in one for the GPU
     loss: LossConfig = field(default_factory=LossConfig)
+    dfs: DfsConfig = field(default_factory=DfsConfig)  # [train.dfs]: mode = "dfs"
 
     def __post_init__(self) -> None:
-        _one_of("train.mode", self.mode, MODES)
-        _one_of("train.attention", self.attention, ATTENTION)
-        if self.mode in ("tree", "dfs", "auto") and self.attention == "sdpa":
-            raise ConfigError("train.attention = 'sdpa' runs independent causal sequences; "
-                              f"train.mode = '{self.mode}' needs auto, reference, flex, triton or fa4")
+        from treepack.train.modes.registry import mode_family, mode_names
+
+        _one_of("train.mode", self.mode, mode_names())
+        _one_of("train.attention", self.attention, registry.names())
+        try:  # the registry decides which backends serve the mode's family (sdpa: no tree mask)
+            registry.check(mode_family(self.mode), self.attention, label="train.attention =",
+                           who=f"train.mode = '{self.mode}'")
+        except registry.BackendError as exc:
+            raise ConfigError(str(exc)) from None
         if self.micro_batch_tokens:
             try:
                 parse_size(self.micro_batch_tokens, what="train.micro_batch_tokens")
             except TreepackError as exc:
                 raise ConfigError(str(exc)) from None
-        self.dfs_block  # noqa: B018 - validates train.dfs_block_size
         self.memory  # noqa: B018 - validates train.memory_limit
-        self.dfs_keep_tokens = parse_dfs_keep(self.dfs_keep_tokens, "train.dfs_keep_tokens")
-        _positive("train.dfs_merge_anchor_tokens", self.dfs_merge_anchor_tokens, zero_ok=True)
-        _one_of("train.dfs_order", self.dfs_order, DFS_ORDERS)
         _positive("train.steps", self.steps)
         _positive("train.seed", self.seed, zero_ok=True)
         _positive("train.lr", self.lr)
@@ -224,11 +247,6 @@ class TrainConfig:
         _positive("train.logits_chunk", self.logits_chunk)
 
     @property
-    def dfs_block(self) -> int | str:
-        """``train.dfs_block_size`` as `DfsMode` takes it: "auto", or tokens (0: unlimited)."""
-        return parse_dfs_block(self.dfs_block_size, "train.dfs_block_size")
-
-    @property
     def memory(self) -> MemoryLimit | None:
         return parse_memory_limit(self.memory_limit)
 
@@ -244,12 +262,19 @@ class OutputConfig:
     resume: bool = True  # continue from dir/checkpoint when it exists
     metrics: str = "metrics.jsonl"  # per-step metrics (JSON lines), relative to dir (an absolute path as is); "" = none
     log_every: int = 1  # print the step line every N steps
+    # also write the step numbers as TensorBoard events in dir/tensorboard (tensorboard --logdir DIR/tensorboard);
+    # needs the tensorboard package
+    tensorboard: bool = False
+    wandb: bool = False  # also log to Weights & Biases, offline, in dir/wandb (`wandb sync` uploads it); needs wandb
+    wandb_project: str = "treepack"  # the W&B project the run is filed under
 
     def __post_init__(self) -> None:
         if not self.dir:
             raise ConfigError("output.dir must not be empty")
         _positive("output.save_every", self.save_every, zero_ok=True)
         _positive("output.log_every", self.log_every)
+        if self.wandb and not self.wandb_project.strip():
+            raise ConfigError("output.wandb_project must not be empty")
 
 
 @dataclass
@@ -278,47 +303,29 @@ def _type_name(tp) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
-def _token_count(value, what: str, bad: str, negative: str) -> int:
-    """Tokens as an integer or a size such as "8K" (`treepack.sizes`; "0k" is 0); negatives refused. ``bad`` and
-    ``negative``: the messages after ``what``, formatted with ``value`` and ``tokens``."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        tokens = value
-    else:
-        text = str(value).strip()
-        if text.lstrip("-").isdigit():
-            tokens = int(text)
-        else:
-            try:
-                tokens = parse_size(text, what=what)
-            except TreepackError:
-                if text[:1] == "0" and text.rstrip("kKMG").strip("0.") == "":
-                    return 0
-                raise ConfigError(f"{what} {bad.format(value=value)}") from None
-    if tokens < 0:
-        raise ConfigError(f"{what} {negative.format(tokens=tokens)}")
-    return tokens
-
-
 def parse_dfs_block(value, what: str) -> int | str:
-    """A dfs block as written (``train.dfs_block_size``, ``verify --dfs-block-size``): "auto", or tokens as an
+    """A dfs block as written (``train.dfs.block_size``, ``verify --dfs-block-size``): "auto", or tokens as an
     integer or a size such as "8K", 0 for unlimited."""
     if value == "auto":
         return value
-    return _token_count(value, what, 'must be a number of tokens such as 8192 or "8K", 0 (unlimited) or "auto", got {value!r}',
+    return parse_token_count(value, what, 'must be a number of tokens such as 8192 or "8K", 0 (unlimited) or "auto", got {value!r}',
                         'must be >= 0 (0: unlimited) or "auto", got {tokens}')
 
 
 def parse_dfs_keep(value, what: str) -> int:
-    """dfs keep tokens as written (``train.dfs_keep_tokens``, ``verify --dfs-keep-tokens``): an integer or a size
+    """dfs keep tokens as written (``train.dfs.keep_tokens``, ``verify --dfs-keep-tokens``): an integer or a size
     such as "4K", 0 for off; negatives refused."""
-    return _token_count(value, what, 'must be a number of tokens such as 4096 or "4K" (0: off), got {value!r}',
+    return parse_token_count(value, what, 'must be a number of tokens such as 4096 or "4K" (0: off), got {value!r}',
                         "must be >= 0, got {tokens}")
 
 
 # keys that take a token count as an integer or a string such as "64K"
 SIZE_KEYS = {"data.capacity": 'a size such as 65536 or "64K"', "train.micro_batch_tokens": 'a size such as 32768 or "32K"',
-             "train.dfs_block_size": 'a size such as 8192 or "8K", or "auto"',
-             "train.dfs_keep_tokens": 'a size such as 4096 or "4K"'}
+             "train.dfs.block_size": 'a size such as 8192 or "8K", or "auto"',
+             "train.dfs.keep_tokens": 'a size such as 4096 or "4K"'}
+# keys that moved: refused with the new place, never read silently as defaults
+MOVED_KEYS = {f"train.dfs_{name}": f"[train.dfs] {name}" for name in (
+    "block_size", "keep_tokens", "order", "subtree_calls", "merge_anchor_tokens", "cuda_graphs")}
 
 
 def _coerce(key: str, value, tp):
@@ -334,7 +341,7 @@ def _coerce(key: str, value, tp):
         ok = isinstance(value, bool)
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
-        ok = ok or (key in SIZE_KEYS and isinstance(value, str))  # dfs_keep_tokens = "4K": parsed in __post_init__
+        ok = ok or (key in SIZE_KEYS and isinstance(value, str))  # keep_tokens = "4K": parsed in __post_init__
     elif tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
@@ -393,6 +400,11 @@ def _unknown_keys(cls, data: dict, prefix: str = "") -> list[str]:
 def _build(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     if not prefix:
+        train = data.get("train")
+        moved = [f"train.{k} moved to {MOVED_KEYS['train.' + k]}" for k in train or ()
+                 if f"train.{k}" in MOVED_KEYS] if isinstance(train, dict) else []
+        if moved:
+            raise ConfigError(", ".join(moved))
         unknown = _unknown_keys(cls, data)
         if unknown:
             raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
@@ -487,10 +499,10 @@ mode = "tree"               # tree (tree attention over each pack)
                             # | dense (each sequence separately: the naive baseline)
                             # | dense-leaf (only sequences that are not a prefix of another, duplicates once:
                             #   the strongest simple baseline; same loss, same gradients)
-                            # | dfs (depth first, graph bounded by dfs_block_size)
+                            # | dfs (depth first, graph bounded by [train.dfs] block_size)
                             # | auto (per pack, the faster of tree and dense-leaf by the FLOP model and the
                             #   GPU's speed table; the choice and why are printed at the start)
-attention = "auto"          # auto | reference | flex | triton | fa4 (dense modes also: sdpa, their default)
+attention = "auto"          # auto | reference | flex | triton | fa4 (dense modes also: sdpa, what their auto runs on a CPU)
 steps = 100
 lr = 0.0003
 schedule = "constant"       # constant | cosine (to min_lr_ratio * lr)
@@ -508,12 +520,6 @@ memory_limit = ""           # most GPU memory this run may take: "40GB", "40GiB"
 activation_checkpointing = false
 compile = "auto"            # torch.compile norms/RoPE/SwiGLU/loss softmax: auto (on CUDA) | on | off
 activation_memory_budget = 1.0  # compiled layers keep this share of saved activations, recompute the rest (0, 1]
-dfs_block_size = "auto"     # dfs: most tokens forwarded with grad at once: auto (from the GPU's memory) | 8192 | 0 (unlimited)
-dfs_keep_tokens = 0         # dfs: shared segments kept with their graph instead of re-forwarded: 4096 | "4K" | 0 (off)
-dfs_order = "backward"      # dfs: leaf order, backward (AReaL-DTA Algorithm 1) | layout
-dfs_subtree_calls = true    # dfs: a subtree that fits a block is one tree call (false: AReaL-DTA, leaf by leaf)
-dfs_merge_anchor_tokens = 512  # dfs: an anchor of up to this many tokens rides in the grad call before it (0 = off)
-dfs_cuda_graphs = false     # dfs: replay call shapes met again as CUDA graphs (needs FA4 and compile on CUDA)
 micro_batch_tokens = ""     # dense, dense-leaf, auto: most tokens per micro-batch ("" = each pack's size; "32k")
 speed_table = ""            # auto: JSON from benchmarks/speed_table.py ("" = built in for the GPU)
 
@@ -524,12 +530,23 @@ clip_low = 0.2
 clip_high = 0.2
 kl_coef = 0.0               # k3 KL to the behaviour log-probs; 0 = off
 
+[train.dfs]                 # mode = "dfs" only
+block_size = "auto"         # most tokens forwarded with grad at once: auto (from the GPU's memory) | 8192 | 0 (unlimited)
+keep_tokens = 0             # shared segments kept with their graph instead of re-forwarded: 4096 | "4K" | 0 (off)
+order = "backward"          # leaf order, backward (AReaL-DTA Algorithm 1) | layout
+subtree_calls = true        # a subtree that fits a block is one tree call (false: AReaL-DTA, leaf by leaf)
+merge_anchor_tokens = 512   # an anchor of up to this many tokens rides in the grad call before it (0 = off)
+cuda_graphs = false         # replay call shapes met again as CUDA graphs (needs FA4 and compile on CUDA)
+
 [output]
 dir = "runs/train"          # checkpoint/ (safetensors) and metrics.jsonl go here
 save_every = 0              # steps between checkpoints; 0 = at the end only
 resume = true               # continue from dir/checkpoint when present
 metrics = "metrics.jsonl"   # "" = no metrics file
 log_every = 1
+tensorboard = false         # TensorBoard events in dir/tensorboard: tensorboard --logdir runs/train/tensorboard
+wandb = false               # Weights & Biases, offline, in dir/wandb (needs wandb; `wandb sync` uploads)
+wandb_project = "treepack"
 """
 
 

@@ -1,23 +1,10 @@
 """Where training gets its packs: packed shard directories, or rollouts packed here (`treepack verify` packs
 rollout files as `treepack pack` does).
 
-Rollout files are packed on the fly with a simple policy that keeps whole trees in input order (the
-packing strategies of ``treepack pack`` optimise N_pack over the whole batch and may cut a GRPO group
-between packs, hence between optimizer steps (its advantages still come from the whole group:
-`losses.whole_group_advantages`); this one trains every group in one step, is predictable, and never
-repeats a prefix it need not):
-trees (``tree_id`` groups, split by ``step`` when present) are taken in input order; a tree joins the current
-pack when the pack's union trie still fits the capacity, else starts a new pack. Trees of one pack share
-their common prefixes (a system prompt, a task's opening turns), as in ``treepack pack``'s forest: the
-pack's size is the union's (`UnionSize`), not the sum of its trees'. Summing them (the first policy) kept
-the shared prompt once per tree: 144 held-out tau-bench retail records at 32K took 3 packs of 63,018 tokens
-(as many as the leaf sequences, so tree mode saved nothing over dense-leaf) instead of 2 of 54,508, and
-ToolBench 3 packs of 66,985 instead of 2 of 59,482. A tree larger than the capacity is cut by ``treepack
-pack``'s own packer (strategy ``best``, `treepack.pack.strategies`), which repeats as few shared-prefix
-tokens as it can. Cutting it instead into contiguous runs of input order (the first policy) split multi-turn
-chains between packs, so a record's earlier turns became a leaf of one pack and were forwarded again in the
-next. Packs of a split tree come in the order of their first sequence, each pack's sequences in input
-order. Without ``tree_id`` the whole file is one tree.
+Rollout files are packed on the fly by `treepack.pack.pack_rollouts` with ``whole_trees=True`` (docs/design.md
+§5): trees (``tree_id`` groups, split by ``step``) whole and in input order, the trees of a pack sharing their
+common prefixes, a tree larger than the capacity cut by ``treepack pack``'s ``best`` packer, so that every GRPO
+group that fits a pack trains in one step (`treepack.pack.packs` has the policy and its numbers).
 
 A global batch is ``packs_per_step`` consecutive packs of an epoch order; the order of epoch e is a
 permutation seeded by (seed, e), so the batch of any step is a pure function of the config and the step
@@ -40,99 +27,17 @@ from pathlib import Path
 
 import numpy as np
 
-from treepack.errors import CapacityError, ConfigError, InputError, TreepackError
+from treepack.errors import ConfigError, InputError, TreepackError
 from treepack.io.ingest import read_rollouts
-from treepack.io.rollouts import Rollouts, _ranges
+from treepack.io.rollouts import Rollouts, ranges
 from treepack.pack.layout import Pack, build_pack, relayout
-from treepack.pack.strategies import describe_sequence
-from treepack.tree import PrefixTree, RangeMin, scope_codes
-
-
-def _split_tree(r: Rollouts, index: np.ndarray, capacity: int) -> list[np.ndarray]:
-    """The sequences ``index`` (one tree larger than ``capacity``) cut into packs by the ``best`` packer:
-    each pack's sequences ascending, packs in the order of their first sequence."""
-    from treepack.pack.strategies import pack_sequences
-
-    packing = pack_sequences(r.select(index), capacity, strategy="best")
-    runs = [np.sort(index[p]) for p in packing.packs]
-    return sorted(runs, key=lambda run: int(run[0]))
+from treepack.pack.packs import pack_rollouts as pack_whole_trees
+from treepack.tree import PrefixTree
 
 
 def pack_rollouts(r: Rollouts, capacity: int, *, max_packs: int | None = None) -> Iterator[Pack]:
-    """Packs of whole trees, each with a union trie of at most ``capacity`` tokens (see module doc)."""
-    if len(r) == 0:
-        return
-    lengths = r.lengths
-    too_long = np.flatnonzero(lengths > capacity)
-    if too_long.size:
-        i = int(too_long[0])
-        raise CapacityError(f"{describe_sequence(r, i)} has {int(lengths[i])} tokens, more than the capacity {capacity}")
-    shared, _ = scope_codes(r)  # what may share tokens in a pack: sequences of one step, whatever their tree
-    unit, _ = scope_codes(r, "tree_id" if r.groups is not None else None)  # what stays whole: a tree of a step
-    if unit is None:
-        unit = np.zeros(len(r), dtype=np.int64)
-    # Trees in order of first appearance; sequences of a tree in input order.
-    _, first = np.unique(unit, return_index=True)
-    tree_order = unit[np.sort(first)]
-    members = {int(t): np.flatnonzero(unit == t) for t in tree_order.tolist()}
-    union = UnionSize(r, shared)
-    emitted = 0
-    current: list[np.ndarray] = []
-    current_ranks = np.zeros(0, dtype=np.int64)
-
-    def flush() -> Pack:
-        return build_pack(r, np.concatenate(current), scope=shared)
-
-    for t in tree_order.tolist():
-        index = members[int(t)]
-        ranks = np.sort(union.rank[index])
-        if union(ranks) <= capacity:
-            merged = np.union1d(current_ranks, ranks)
-            if not current or union(merged) <= capacity:
-                current.append(index)
-                current_ranks = merged
-                continue
-            yield flush()
-            emitted += 1
-            if max_packs is not None and emitted >= max_packs:
-                return
-            current, current_ranks = [index], ranks
-            continue
-        if current:
-            yield flush()
-            emitted += 1
-            current, current_ranks = [], np.zeros(0, dtype=np.int64)
-            if max_packs is not None and emitted >= max_packs:
-                return
-        for run in _split_tree(r, index, capacity):
-            yield build_pack(r, run, scope=shared)
-            emitted += 1
-            if max_packs is not None and emitted >= max_packs:
-                return
-    if current:
-        yield flush()
-
-
-class UnionSize:
-    """Trie tokens of the union of any set of a batch's sequences, from one trie of the whole batch: with the
-    sequences in the trie's (lexicographic) order, the union's size is the sum of their lengths minus, for each
-    after the first, its longest common prefix with the one before it among the set, which is the minimum of
-    the adjacent LCPs between the two (a range minimum, O(1) a pair). Sequences of different scopes (steps)
-    share nothing."""
-
-    def __init__(self, r: Rollouts, scope: np.ndarray | None) -> None:
-        whole = PrefixTree.from_arrays(r.tokens, r.offsets, scope)
-        self.rank = np.empty(len(r), dtype=np.int64)
-        self.rank[whole.order] = np.arange(len(r))
-        self.lengths = whole.lengths
-        self.lcp = RangeMin(whole.lcp.astype(np.int32))  # lengths < 2^31 (check_token_buffer)
-
-    def __call__(self, ranks: np.ndarray) -> int:
-        """Trie tokens of the sequences at the sorted, distinct trie ranks ``ranks``."""
-        size = int(self.lengths[ranks].sum())
-        if len(ranks) > 1:
-            size -= int(self.lcp(ranks[:-1] + 1, ranks[1:] + 1).sum(dtype=np.int64))
-        return size
+    """Packs of whole trees, each with a union trie of at most ``capacity`` tokens (see the module doc)."""
+    return iter(pack_whole_trees(r, capacity, whole_trees=True, max_packs=max_packs))
 
 
 def leaf_sequences(r: Rollouts) -> np.ndarray:
@@ -254,7 +159,7 @@ def plan_dense(pack: Pack, token_R: np.ndarray, seq_R: np.ndarray, flat_R: np.nd
         leaf_L = np.sort(candidates[first])
         # Host of every token on a leaf path: one lane holding it (any does; numpy keeps one writer).
         host_T = np.full(T, -1, dtype=np.int64)
-        host_T[index_F[_ranges(offsets_S1[leaf_L], length_S[leaf_L])]] = np.repeat(np.arange(leaf_L.shape[0]),
+        host_T[index_F[ranges(offsets_S1[leaf_L], length_S[leaf_L])]] = np.repeat(np.arange(leaf_L.shape[0]),
                                                                                    length_S[leaf_L])
         host_R = host_T[token_R]
         ok = host_R >= 0

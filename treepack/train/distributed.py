@@ -9,7 +9,7 @@ gradients must be *summed* over ranks, never averaged (FSDP averages by default:
 
 The split (`shard_batch`) is `treepack.pack.balance.balance_units` over the batch's packs with the FLOP
 model of the actual model (``6 x params x tokens + 6 x d_model x vocab x predicted + 12 x layers x heads x
-head_dim x attention pairs``, DESIGN §9) and the layout the mode runs: the pack's trie (tree, dfs), flat
+head_dim x attention pairs``, design §9) and the layout the mode runs: the pack's trie (tree, dfs), flat
 sequences (dense) or the trie's leaf sequences (dense-leaf). Whole packs go to ranks first (packs share no
 tokens, so nothing is computed twice); a pack is cut into pieces across ranks only when that lowers the
 predicted step time by at least 1%, at the cut that duplicates the least shared prefix. It is
@@ -98,6 +98,7 @@ class RankShare:
     layout: str = "tree"
     cost: str = "flops"  # what rank_cost counts: "flops", or "tokens" (the `TOKENS` cost model)
     extra: dict = field(default_factory=dict)
+    cut_tokens: int = 0  # tokens the cut packs' pieces compute beyond those packs whole (shared prefixes again)
 
     @property
     def ddp_loss_scale(self) -> float:
@@ -119,8 +120,10 @@ class RankShare:
         total = sum(self.rank_cost) or 1
         head = f"split{'' if step is None else f' of step {step}'} over {self.world_size} ranks"
         n_packs = self.split.n_units
-        cut = f"{self.n_split_packs} of {n_packs} packs cut" if self.n_split_packs else f"{n_packs} packs, none cut"
         what = "tokens" if self.cost == "tokens" else "fwd+bwd FLOPs"
+        cut = (f"{self.n_split_packs} of {n_packs} packs cut, recomputing {si(self.cut_tokens)} tokens "
+               f"(+{100 * self.split.cut_share:.1f}% {what.split()[-1]})" if self.n_split_packs
+               else f"{n_packs} packs, none cut")
         lines = [f"{head} ({cut}; cost: {what} of the {self.layout} layout):"]
         for r in range(self.world_size):
             cost = "" if self.cost == "tokens" else f" | {si(self.rank_cost[r], ' FLOP')}"
@@ -132,7 +135,7 @@ class RankShare:
     def to_json(self) -> dict:
         return {"rank_tokens": [w.tokens for w in self.rank_work], "rank_cost": self.rank_cost,
                 "rank_packs": self.rank_packs, "imbalance_predicted": self.imbalance,
-                "split_packs": self.n_split_packs}
+                "split_packs": self.n_split_packs, "cut_tokens": self.cut_tokens, "cut_cost": self.split.cut_cost}
 
 
 def shard_batch(packs: list[Pack], *, flops, mode: str = "tree", rank: int | None = None,
@@ -174,7 +177,8 @@ def shard_batch(packs: list[Pack], *, flops, mode: str = "tree", rank: int | Non
     counts_tokens = (flops.per_token, flops.per_predicted, flops.per_pair) == (1, 0, 0)
     return RankShare(rank=rank, world_size=world_size, packs=mine, index=index, totals=totals, split=split,
                      rank_work=rank_work, rank_cost=rank_cost, rank_packs=rank_packs, layout=layout,
-                     cost="tokens" if counts_tokens else "flops")
+                     cost="tokens" if counts_tokens else "flops",
+                     cut_tokens=sum(w.tokens for w in rank_work) - sum(u.work.tokens for u in units))
 
 
 # The arrays a pack's costs read. A step's packs share them with the run's packs (GRPO's advantages make new

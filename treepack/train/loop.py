@@ -1,4 +1,5 @@
-"""The training loop behind ``treepack train``: packs -> global batches -> AdamW steps, one log line each.
+"""The training loop behind ``treepack train``, one process or many: packs -> global batches -> AdamW steps,
+one log line each.
 
 One optimizer step = one global batch = ``data.packs_per_step`` packs. The loss normalisers (loss tokens,
 sequences) are summed over the whole batch before its first forward, and each pack back-propagates its
@@ -7,19 +8,21 @@ pack). The mode (tree, dense, dfs) changes only how a pack's share is computed; 
 optimizer and logging are shared, so a tree run and a dense run of one config follow the same
 trajectory up to float rounding.
 
+One loop for every world size: what depends on the number of processes (each rank's share of the batch, the
+gradient reduction, the global norm, the step's numbers over ranks, the checkpoint format) is a gradient-sync
+strategy (`treepack.train.sync`): `SingleProcess` here, `DataParallel` under ``torchrun``
+(`treepack.train.parallel.train_distributed`, FSDP2), which gives the single process's update at any world size.
+The model comes from a registered source (`treepack.train.model_source`: our decoder, or transformers' modules).
+
 Precision: ``float32``/``float64`` keep parameters and compute in that dtype; ``bfloat16`` keeps float32
 parameters and AdamW state and runs forward/backward under bf16 autocast (the default on CUDA);
 log-probs and losses are float32 (float64 for float64 models) whatever the autocast dtype.
 
-Each step prints one fixed-format line, e.g.
-``step 00042 | loss 1.234 | tokens 12.3k | tok/s 123k | flat tok/s 456k | mem 12.3 GB | mfu 41%``:
-``tokens`` are the tokens the model forwarded in the step (N_tree for tree mode), ``flat tok/s`` the
-dense-equivalent throughput (the batch's sum of sequence lengths per second), ``mem`` the peak (CUDA:
-allocated this step; CPU: the process's peak RSS) and ``mfu`` (CUDA, 16-bit only) the useful FLOPs of
-DESIGN §9's model over the bf16 matmul ceiling measured on the device at start (`_peak_flops`). The same
-numbers go to ``metrics.jsonl``. A step's line comes once the next step's first pack is queued (`QueuedStep`:
-the host never drains the GPU between steps); on CUDA its time is the device's, from the step's start to its
-end, idle included.
+Each step prints one fixed-format line (`treepack.train.metrics.StepStats`), e.g.
+``step 00042 | loss 1.234 | tokens 12.3k | tok/s 123k | flat tok/s 456k | mem 12.3 GB | mfu 41%``, and its numbers
+go to ``metrics.jsonl`` (and TensorBoard / W&B when asked: `treepack.train.run_log`). A step's line comes once
+the next step's first pack is queued (`QueuedStep`: the host never drains the GPU between steps); on CUDA its
+time is the device's, from the step's start to its end, idle included.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,61 +41,21 @@ import torch
 from treepack.errors import ConfigError
 from treepack.pack.layout import Pack
 from treepack.train.banner import banner, eta_line
-from treepack.train.checkpoint import has_checkpoint, load_checkpoint, open_metrics, save_checkpoint
+from treepack.train.checkpoint import has_checkpoint
 from treepack.train.collector import Pauses, freeze_warmup, thaw
 from treepack.train.config import RunConfig
 from treepack.train.data import batch_indices, compact_vocab, data_where, load_packs
-from treepack.train.losses import BatchTotals, LossRows, Objective, group_advantages, prepare_grpo_data
+from treepack.train.losses import LossRows, Objective, group_advantages, prepare_grpo_data
 from treepack.train.memory_limit import capped, describe_memory_limit
-from treepack.train.model import Decoder, ModelArgs
+from treepack.train.metrics import QueuedStep, StepStats, mem_gb, peak_flops, step_flops, visible_pairs
+from treepack.train.model import Decoder
+from treepack.train.model_source import model_source
 from treepack.train.modes import Mode, make_mode
-from treepack.train.modes.auto import AutoMode, SpeedTable
+from treepack.train.modes.auto import AutoMode
 from treepack.train.modes.dfs import DfsMode, merge_work
+from treepack.train.run_log import RunLog, check_run_log
+from treepack.train.sync import SingleProcess
 from treepack.train.working_weights import WorkingWeights, applies
-
-# Dense bf16 tensor-core datasheet peaks (FLOP/s) by device-name substring: MFU's fallback where measuring fails.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
-
-
-@dataclass
-class StepStats:
-    step: int  # 1-based optimizer step
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens: int  # tokens the model forwarded
-    flat_tokens: int  # sum of the batch's sequence lengths (what dense training computes)
-    loss_tokens: int
-    seconds: float
-    mem_gb: float
-    mfu: float | None = None
-    extra: dict = field(default_factory=dict)
-
-    def line(self) -> str:
-        parts = [
-            f"step {self.step:05d}",
-            f"loss {self.loss:.3f}",
-            f"tokens {human(self.tokens)}",
-            f"tok/s {human(self.tokens / self.seconds)}",
-            f"flat tok/s {human(self.flat_tokens / self.seconds)}",
-            f"mem {self.mem_gb:.1f} GB",
-        ]
-        if self.mfu is not None:
-            parts.append(f"mfu {100 * self.mfu:.0f}%")
-        if "anchor_share" in self.extra:  # dfs: share of no-grad re-forwards, most tokens with a live graph
-            parts.append(f"anchor {100 * self.extra['anchor_share']:.0f}% | graph {human(self.extra['peak_graph_tokens'])}")
-        return " | ".join(parts)
-
-    def to_json(self) -> dict:
-        out = {
-            "step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
-            "tokens": self.tokens, "flat_tokens": self.flat_tokens, "loss_tokens": self.loss_tokens,
-            "seconds": self.seconds, "tok_per_s": self.tokens / self.seconds,
-            "flat_tok_per_s": self.flat_tokens / self.seconds, "mem_gb": self.mem_gb,
-        }
-        if self.mfu is not None:
-            out["mfu"] = self.mfu
-        return {**out, **self.extra}
 
 
 @dataclass
@@ -103,68 +65,6 @@ class TrainResult:
     last_step: int
     losses: list[float]  # loss of every step of the run so far (resumed steps included)
     stats: list[StepStats] = field(default_factory=list)  # this call's steps
-
-
-@dataclass
-class QueuedStep:
-    """A step whose work is queued on the device, read back later: `train` reads step N once step N + 1's
-    first pack is queued, so the host never waits for the GPU to drain at a step's end and the GPU never waits
-    for the host to refill its queue (a ToolBench step on an H100 spent ~5 ms idle at each boundary, then
-    ~1 ms at each of the first layers of the next forward, whose host time per layer exceeds the GPU's).
-    The loss and gradient norm come back through a pinned, non-blocking copy, the step's time from CUDA
-    events at its start and end (its GPU-timeline duration, idle included), so reading it waits for the
-    step's end only, not for what was queued after it."""
-
-    step: int  # 1-based
-    lr: float
-    tokens: int
-    flat_tokens: int
-    loss_tokens: int
-    flops: float
-    mem_gb: float
-    extra: dict
-    seconds: float  # without a device: the host's time from the step's start to its end
-    values: torch.Tensor  # (loss, grad norm, *device metrics), float64; on the host once `done` is reached
-    begin: torch.cuda.Event | None  # CUDA: the step's start and end on the device's timeline
-    done: torch.cuda.Event | None
-    device_metrics: tuple[str, ...] = ()  # keys of ``extra`` that were tensors, read back in ``values``
-
-    @classmethod
-    def queue(cls, *, loss: torch.Tensor, norm: torch.Tensor, started: float, begin: torch.cuda.Event | None,
-              extra: dict, **fields) -> QueuedStep:
-        # scalars without a graph (the loss was detached, the norm taken without grad); metrics the modes
-        # left on the device (GRPO's clip fraction) come back in the same copy
-        names = tuple(sorted(k for k, v in extra.items() if isinstance(v, torch.Tensor)))
-        values = torch.stack([t.double() if t.dim() == 0 else t.double().reshape(())
-                              for t in (loss, norm, *(extra[k] for k in names))])
-        seconds, done = max(time.perf_counter() - started, 1e-9), None
-        if begin is not None:
-            values = values.to("cpu", non_blocking=True)  # into pinned memory, ordered before `done`
-            done = torch.cuda.Event(enable_timing=True)
-            done.record()
-        return cls(values=values, seconds=seconds, begin=begin, done=done, extra=extra, device_metrics=names,
-                   **fields)
-
-    def read(self) -> tuple[float, float, float]:
-        """(loss, grad norm, seconds); the device metrics into ``extra`` as floats."""
-        seconds = self.seconds
-        if self.done is not None:
-            self.done.synchronize()
-            seconds = max(self.begin.elapsed_time(self.done) / 1e3, 1e-9)
-        loss, norm, *metrics = self.values.tolist()
-        self.extra.update(zip(self.device_metrics, metrics))
-        return loss, norm, seconds
-
-
-def human(x: float) -> str:
-    """3 significant digits with k/M/G: 987, 12.3k, 123k, 1.23M."""
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1.0)):
-        if abs(x) >= div or unit == "":
-            v = x / div
-            if unit == "":
-                return f"{v:.0f}"
-            return f"{v:.2f}{unit}" if abs(v) < 10 else f"{v:.1f}{unit}" if abs(v) < 100 else f"{v:.0f}{unit}"
-    return f"{x:.0f}"  # pragma: no cover
 
 
 def resolve_precision(device: str, dtype: str) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
@@ -211,23 +111,12 @@ def compact_vocab_of_run(cfg: RunConfig, packs: list[Pack], out_dir: Path, *, wr
 
 
 def build_model(cfg: RunConfig, packs: list[Pack], device: torch.device, dtype: torch.dtype) -> Decoder:
-    """The configured model: a local checkpoint, or a random init whose vocabulary covers the data."""
+    """The configured model (`treepack.train.model_source`): a local checkpoint, or a random init whose vocabulary
+    covers the data."""
     m = cfg.model
     max_id = max(int(np.asarray(p.input_ids[: p.n_real]).max(initial=0)) for p in packs)
-    if m.resolved_source() == "hf":  # transformers' own modules, tree-packed through treepack.hf
-        from treepack.hf.trainer import HFCausalLM
-
-        model = HFCausalLM.from_pretrained(m.checkpoint, dtype=dtype, device=device)
-    elif m.checkpoint:
-        model = Decoder.from_pretrained(m.checkpoint, dtype=dtype, device=device)
-    else:
-        vocab = m.vocab_size or max_id + 1
-        args = ModelArgs.for_family(
-            m.family, vocab_size=vocab, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-            rope_theta=m.rope_theta, tie_embeddings=m.tie_embeddings, init_std=m.init_std,
-        )
-        model = Decoder.random_init(args, seed=cfg.train.seed, dtype=dtype, device=device)
+    source = model_source(m.resolved_source())  # treepack (our decoder), hf (transformers' modules), ...
+    model = source.load(m, vocab_size=max_id + 1, seed=cfg.train.seed, dtype=dtype, device=device)
     if max_id >= model.args.vocab_size:
         what = ("the data has " + (f"{max_id + 1:,} distinct token ids (model.compact_vocab renumbers them 0..n-1)"
                                    if cfg.model.compact_vocab else f"token id {max_id}"))
@@ -308,36 +197,14 @@ def step_batch(step: int, packs: list[Pack], cfg: RunConfig, objective: Objectiv
 
 
 def build_mode(cfg: RunConfig) -> Mode:
-    """The configured execution mode (the single-process and the data-parallel loops share it)."""
+    """The configured execution mode, for the model source the config names."""
     attention = cfg.train.attention
     if cfg.train.mode == "dense" and attention == "auto":
         attention = "sdpa"
-    if cfg.model.resolved_source() == "hf":
-        from treepack.hf.trainer import make_hf_mode
-
-        return make_hf_mode(cfg.train.mode, attention=attention, chunk_rows=cfg.train.logits_chunk)
-    return make_mode(cfg.train.mode, attention=attention, chunk_rows=cfg.train.logits_chunk,
-                     micro_batch_tokens=cfg.train.micro_batch_token_count,
-                     speed_table=SpeedTable.load(cfg.train.speed_table) if cfg.train.speed_table else None,
-                     **({"dfs_block_size": cfg.train.dfs_block, "dfs_keep_tokens": cfg.train.dfs_keep_tokens,
-                         "dfs_order": cfg.train.dfs_order, "dfs_subtree_calls": cfg.train.dfs_subtree_calls,
-                         "dfs_merge_anchor_tokens": cfg.train.dfs_merge_anchor_tokens,
-                         "dfs_cuda_graphs": cfg.train.dfs_cuda_graphs}
-                        if cfg.train.mode == "dfs" else {}))
-
-
-def _visible_pairs(pack: Pack, mode: str) -> int:
-    if mode == "dense":
-        lengths = np.diff(np.asarray(pack.seq_offsets, dtype=np.int64))
-        return int((lengths * (lengths + 1) // 2).sum())
-    n = int(pack.n_real)
-    return int((np.asarray(pack.subtree_end[:n], dtype=np.int64) - np.arange(n)).sum())
-
-
-def _step_flops(args: ModelArgs, tokens: int, predicted: int, pairs: int) -> float:
-    """DESIGN §9's FLOP model (forward + backward)."""
-    return (6.0 * args.num_params(embeddings=False) * tokens + 6.0 * args.hidden_size * args.vocab_size * predicted
-            + 12.0 * args.num_layers * args.num_heads * args.head_dim * pairs)
+    source = model_source(cfg.model.resolved_source())
+    if source.make_mode is not None:  # a source with modes of its own (hf: transformers' modules, tree or dense)
+        return source.make_mode(cfg.train.mode, attention=attention, chunk_rows=cfg.train.logits_chunk)
+    return make_mode(cfg.train.mode, cfg.train)  # the [train] settings whole ([train.dfs] included)
 
 
 def _manages_gc(model: Decoder, device: torch.device) -> bool:
@@ -346,59 +213,22 @@ def _manages_gc(model: Decoder, device: torch.device) -> bool:
     return model.uses_compiled(device)
 
 
-_MEASURED_PEAK: dict[int, float] = {}
+def train(cfg: RunConfig, *, packs: list[Pack] | None = None, log: Callable[[str], None] = print,
+          sync: SingleProcess | None = None) -> TrainResult:
+    """Run (or resume) the configured training; ``packs`` overrides the data section (tests, notebooks);
+    ``sync``: how the step is spread over processes (default: this one alone, `SingleProcess`). The run holds
+    ``train.memory_limit`` (`capped`) from before its model is built until it ends."""
+    if sync is None:
+        sync = SingleProcess(resolve_precision(cfg.train.device, cfg.train.dtype)[0])
+    with capped(cfg.train.memory, sync.device, cfg.train.mode):
+        return _train(cfg, packs, log, sync)
 
 
-def _peak_flops(device: torch.device) -> float | None:
-    """The bf16 matmul ceiling MFU divides by: measured once per process and GPU (an 8192^3 bf16 matmul on
-    random data, median of 20 after 10 warm-ups, ~50 ms: a GPU still at idle clocks would read low and
-    inflate MFU), which is what the hardware delivers (H100 / H200: ~740-800 TFLOP/s against a 989
-    datasheet peak); the datasheet table only where measuring fails. A burst figure, so MFU errs low: after a
-    second of such matmuls the power limit holds them at ~645-680 TFLOP/s, below the ~750 a training step's
-    own GEMMs reach (benchmarks/results/2026-11-26-toolbench-step-h200-h100.md)."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _MEASURED_PEAK:
-        try:
-            a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(10):
-                torch.matmul(a, b)
-            times = []
-            for _ in range(20):
-                start.record()
-                torch.matmul(a, b)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            del a, b
-            _MEASURED_PEAK[index] = 2 * 8192**3 / sorted(times)[len(times) // 2]
-        except RuntimeError:  # out of memory or no kernel: the datasheet peak
-            name = torch.cuda.get_device_name(device)
-            peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-            if peak is None:
-                return None
-            _MEASURED_PEAK[index] = peak
-    return _MEASURED_PEAK[index]
-
-
-def _mem_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
-
-
-def train(cfg: RunConfig, *, packs: list[Pack] | None = None, log: Callable[[str], None] = print) -> TrainResult:
-    """Run (or resume) the configured training; ``packs`` overrides the data section (tests, notebooks). The
-    run holds ``train.memory_limit`` (`capped`) from before its model is built until it ends."""
-    with capped(cfg.train.memory, resolve_precision(cfg.train.device, cfg.train.dtype)[0], cfg.train.mode):
-        return _train(cfg, packs, log)
-
-
-def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None]) -> TrainResult:
-    device, param_dtype, autocast_dtype = resolve_precision(cfg.train.device, cfg.train.dtype)
+def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None], sync: SingleProcess) -> TrainResult:
+    device = sync.device
+    _, param_dtype, autocast_dtype = resolve_precision(device.type, cfg.train.dtype)
     torch.manual_seed(cfg.train.seed)
+    check_run_log(cfg.output)
     where = ""
     if packs is None:
         source = cfg.data.shards or cfg.data.rollouts
@@ -413,17 +243,23 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
         raise ConfigError(f"data.packs_per_step ({cfg.data.packs_per_step}) exceeds the packs in the data "
                           f"({len(packs)})")
     out_dir = Path(cfg.output.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if sync.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model.compact_vocab:
-        packs = compact_vocab_of_run(cfg, packs, out_dir, write=True)
+        packs = compact_vocab_of_run(cfg, packs, out_dir, write=sync.rank == 0)
+    sync.barrier()  # vocab.json is written before any rank reads the directory
     model = build_model(cfg, packs, device, param_dtype)
     check_attention(cfg.train.attention, model, device, autocast_dtype or param_dtype)
+    sync.prepare(model)  # data parallel: FSDP2 over the ranks
     optimizer = make_optimizer(model, cfg)
+    sync.prepare_optimizer(optimizer)
     objective = Objective(kind=cfg.train.loss.kind, normalization=cfg.train.loss.normalization,
                           clip_low=cfg.train.loss.clip_low, clip_high=cfg.train.loss.clip_high,
                           kl_coef=cfg.train.loss.kl_coef)
     mode = build_mode(cfg)
     for line in banner(cfg, model, packs, device, param_dtype, autocast_dtype):  # what runs, before any notice
+        log(line)
+    for line in sync.describe(param_dtype, autocast_dtype):
         log(line)
     if flat:
         log(flat)
@@ -435,18 +271,18 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
     if not cfg.output.resume and has_checkpoint(out_dir):
         log(f"output.resume = false: starting over; the checkpoint in {out_dir / 'checkpoint'} will be replaced")
     if cfg.output.resume and has_checkpoint(out_dir):
-        state = load_checkpoint(out_dir, model, optimizer)
+        state = sync.load(out_dir, model, optimizer)
         start, losses = int(state["step"]), list(state.get("losses", []))
-        log(f"resumed from {out_dir / 'checkpoint'} at step {start}")
+        saved_by = f" (saved by {state['world_size']} rank(s))" if "world_size" in state else ""
+        log(f"resumed from {out_dir / 'checkpoint'} at step {start}{saved_by}")
         notice = reapply_optimizer_settings(optimizer, cfg)
         if notice:
             log(notice)
-    metrics_file = None
-    if cfg.output.metrics:  # closed in the finally below (the loop body is too long for a with-block)
-        metrics_file = open_metrics(out_dir / cfg.output.metrics, start)
+    # metrics.jsonl, TensorBoard, W&B (rank 0's); closed in the finally below (the loop body is too long for a with)
+    run_log = RunLog(out_dir, cfg.output, start, config=cfg, enabled=sync.rank == 0)
     # 16-bit copies of the matrix weights, cast once a step instead of once a model call
-    working = WorkingWeights(model, autocast_dtype) if applies(model, autocast_dtype) else None
-    peak = _peak_flops(device) if autocast_dtype is not None else None
+    working = WorkingWeights(model, autocast_dtype) if not sync.sharded and applies(model, autocast_dtype) else None
+    peak = peak_flops(device) if autocast_dtype is not None else None
     if peak:
         log(f"mfu: model FLOPs over this GPU's bf16 matmul ceiling, measured now: {peak / 1e12:.0f} TFLOP/s")
     autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
@@ -454,17 +290,19 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
     stats_run: list[StepStats] = []
     params = [p for p in model.parameters()]
 
-    def save(step: int) -> None:
-        save_checkpoint(out_dir, model, optimizer, {"step": step, "losses": losses})
+    def save(step: int, *, final: bool = False) -> None:
+        sync.save(out_dir, model, optimizer, {"step": step, "losses": losses}, final=final)
 
     for line in filter(None, [describe_memory_limit(cfg.train.memory, model, device, autocast_dtype or param_dtype)]):
         log(line)
-    if isinstance(mode, DfsMode):  # how large its calls may be (on this GPU), and why
+    if isinstance(mode, DfsMode):  # how large its calls may be (on this GPU; a rank's shard of the state), and why
         with autocast:
             log(mode.describe_block(model, packs, autocast_dtype or param_dtype))
     if model.uses_compiled(device) or (device.type == "cuda" and cfg.train.mode not in ("dense", "dense-leaf")):
         log("the first steps compile the kernels (torch.compile, Triton autotuning): expect them to take "
             "tens of seconds longer than the rest")
+    for line in run_log.lines(out_dir):
+        log(line)
 
     # Compiled runs: the first step's compile leaves objects every later full collection would rescan (a
     # pause of ~0.5 s in a step on an H100 host): frozen after it, and every step's collections timed.
@@ -473,22 +311,17 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
     queued: QueuedStep | None = None
 
     def finish(q: QueuedStep) -> None:
-        """Read a queued step back (waiting for its end on the device only), then log, record and save it."""
+        """Read a queued step back (over every rank when data-parallel), then log, record and save it."""
         nonlocal frozen
-        loss, grad_norm, seconds = q.read()
-        losses.append(loss)
-        stats = StepStats(step=q.step, loss=loss, lr=q.lr, grad_norm=grad_norm, tokens=q.tokens,
-                          flat_tokens=q.flat_tokens, loss_tokens=q.loss_tokens, seconds=seconds, mem_gb=q.mem_gb,
-                          mfu=q.flops / seconds / peak if peak else None, extra=q.extra)
+        stats = sync.step_stats(q, peak)
+        losses.append(stats.loss)
         stats_run.append(stats)
         if q.step % cfg.output.log_every == 0 or q.step == cfg.train.steps:
-            log(stats.line())
+            log(stats.line() + sync.line_extras(stats))
         eta = eta_line([x.seconds for x in stats_run], q.step, cfg.train.steps)
         if eta:
             log(eta)
-        if metrics_file is not None:
-            metrics_file.write(json.dumps(stats.to_json()) + "\n")
-            metrics_file.flush()
+        run_log.write(stats)
         if cfg.output.save_every and q.step % cfg.output.save_every == 0 and q.step < cfg.train.steps:
             save(q.step)
         if pauses is not None and not frozen:
@@ -507,60 +340,62 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
                 begin = torch.cuda.Event(enable_timing=True)
                 begin.record()
             batch = step_batch(step, packs, cfg, objective)
-            rows = [LossRows.from_pack(p) for p in batch]
-            totals = BatchTotals.of(rows)
+            share = sync.share(batch)  # this process's packs; normalisers over the whole batch
+            if step == start:
+                for line in sync.split_lines(share, step + 1):
+                    log(line)
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            sync.begin(share)
             # No host sync inside a step (the loss is summed on the device, the norm read back later): the host
             # queues the next pack while the GPU still runs the one before.
             loss_sum, tokens, flops, extra, work = None, 0, 0.0, {}, {}
-            for pack, row in zip(batch, rows):
+            for pack, row in zip(share.packs, share.rows):
                 with autocast:
-                    out = mode(model, pack, row, objective, totals)
+                    out = mode(model, pack, row, objective, share.totals)
                 out.backward()
                 if queued is not None:  # the step before, read back once this step's first pack is queued
-                    finish(queued)
-                    queued = None
+                    done, queued = queued, None
+                    finish(done)
                 pack_loss = out.loss.detach().double()  # float64, as the float sum it replaces
                 loss_sum = pack_loss if loss_sum is None else loss_sum + pack_loss
                 tokens += out.forward_tokens
                 predicted = out.predicted_tokens
                 if predicted is None:
                     predicted = row.n_rows if cfg.train.mode == "dense" else int(np.unique(row.token_R).shape[0])
-                pairs = out.attention_pairs if out.attention_pairs is not None else _visible_pairs(pack, cfg.train.mode)
+                pairs = out.attention_pairs if out.attention_pairs is not None else visible_pairs(pack, cfg.train.mode)
                 # Model FLOPs count the useful work once: dfs's no-grad re-forwards (anchors) are not in them.
                 useful = out.metrics.get("grad_tokens", out.forward_tokens)
-                flops += _step_flops(model.args, useful, predicted, pairs)
+                flops += step_flops(model.args, useful, predicted, pairs)
                 work = merge_work(work, out.metrics)  # dfs accounting: counts add up, peaks take the maximum
                 for k, v in out.metrics.items():  # a tensor stays on the device until the step is read back
                     if isinstance(v, (int, float, torch.Tensor)) and k not in work:
-                        extra[k] = extra.get(k, 0.0) + v / len(batch)
+                        extra[k] = extra.get(k, 0.0) + v / len(share.packs)
+            sync.finish(share)  # the gradients of the whole batch (data parallel: one reduce-scatter)
             extra.update(work)
             if pauses is not None:
                 extra["gc_seconds"], extra["gc_full"] = pauses.take()
-            if cfg.train.grad_clip > 0:
-                norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
-            else:
-                norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params if p.grad is not None]))
+            norm = sync.grad_norm(params, cfg.train.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if working is not None:
                 working.refresh()
             queued = QueuedStep.queue(
-                step=step + 1, lr=lr, tokens=tokens, flops=flops, extra=extra, started=t0, begin=begin,
-                flat_tokens=sum(int(np.asarray(p.seq_offsets)[-1]) for p in batch), loss_tokens=totals.loss_tokens,
+                step=step + 1, lr=lr, tokens=tokens, flops=flops, extra=extra, started=t0, begin=begin, share=share,
+                flat_tokens=sum(int(np.asarray(p.seq_offsets)[-1]) for p in batch), loss_tokens=share.totals.loss_tokens,
                 # dfs's CUDA graphs keep their memory in a pool that max_memory_allocated stops seeing
-                mem_gb=_mem_gb(device) + extra.get("graph_pool_bytes", 0) / 1e9,
+                mem_gb=mem_gb(device) + extra.get("graph_pool_bytes", 0) / 1e9,
                 loss=loss_sum if loss_sum is not None else torch.zeros((), dtype=torch.float64, device=device), norm=norm)
             # Read back now, not during the next step: at the first step (the warm-up's objects are frozen
-            # after it), before a checkpoint, and at the last step (so none is left queued after the loop).
+            # after it), before a checkpoint, at the last step (so none is left queued after the loop), and at
+            # every step of a data-parallel run (its numbers are gathered over the ranks, a collective).
             saves = cfg.output.save_every and (step + 1) % cfg.output.save_every == 0
-            if step == start or saves or step + 1 == cfg.train.steps:
-                finish(queued)
-                queued = None
+            if not sync.defer_readback or step == start or saves or step + 1 == cfg.train.steps:
+                done, queued = queued, None  # not read twice if reading it fails (a collective, data-parallel)
+                finish(done)
         if start < cfg.train.steps:
-            save(cfg.train.steps)
+            save(cfg.train.steps, final=True)
     except BaseException:
         if queued is not None:  # the step before the failure did run: its line is not lost
             with contextlib.suppress(Exception):
@@ -571,7 +406,6 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None])
             pauses.stop()
         if frozen:
             thaw()
-        if metrics_file is not None:
-            metrics_file.close()
+        run_log.close()
     return TrainResult(output_dir=out_dir, first_step=start + 1, last_step=cfg.train.steps, losses=losses,
                        stats=stats_run)

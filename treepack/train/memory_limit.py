@@ -148,7 +148,7 @@ _REMEDIES = {
             "turn on train.activation_checkpointing",
     "dense": "lower train.micro_batch_tokens, or turn on train.activation_checkpointing",
     "dense-leaf": "lower train.micro_batch_tokens, or turn on train.activation_checkpointing",
-    "dfs": 'set train.dfs_block_size = "auto" or a smaller block, lower train.logits_chunk, or turn on '
+    "dfs": 'set train.dfs.block_size = "auto" or a smaller block, lower train.logits_chunk, or turn on '
            "train.activation_checkpointing",
 }
 

@@ -296,8 +296,8 @@ def verify_packs(
     """Run ``modes`` on ``packs`` (one global batch) and compare every gradient with ``baseline``.
 
     ``model`` None builds the tiny random model over the data's vocabulary (see module doc); a given model
-    is copied to ``dtype`` and left unchanged. ``mode_options``: extra `make_mode` keywords
-    (``dfs_block_size``, ``dfs_keep_tokens``, ``dfs_order``, ``micro_batch_tokens``). ``progress(done,
+    is copied to ``dtype`` and left unchanged. ``mode_options``: `make_mode` changes to the
+    default ``[train]`` settings (``dfs=DfsConfig(...)``, ``micro_batch_tokens="32k"``). ``progress(done,
     total, label)`` is called as each (mode, pack) run starts and once at the end. ``compile``: run the
     compiled elementwise regions where training would (CUDA); off by default, since compiling for each
     dtype costs more than the check itself and the compiled functions are tested against the eager ones.
@@ -369,9 +369,9 @@ def verify_packs(
     loss_magnitude = 0.0  # the baseline's sum_r w_r |loss_r| (`_loss_magnitude`)
     ref_error = None  # the reference run's first error
 
-    instances = {name: make_mode(baseline if name == "reference" else name,
-                                 attention=None if name in (baseline, "reference") else attention,
-                                 **(mode_options or {})) for name, _ in runs}
+    instances = {name: make_mode(baseline if name == "reference" else name, **(mode_options or {}),
+                                 **({} if name in (baseline, "reference") else {"attention": attention}))
+                 for name, _ in runs}
     for i, (pack, row) in enumerate(zip(packs, rows)):
         results: dict[str, tuple] = {}
         for name, dt in runs:

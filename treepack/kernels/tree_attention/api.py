@@ -1,6 +1,7 @@
-"""Public entry point of tree attention: validation and dispatch to a backend.
+"""Public entry point of tree attention: validation, then the backend the registry resolves for the call.
 
-Backends (imported lazily, so ``import treepack.kernels`` needs neither triton nor a GPU):
+Backends (registry.py; each imported on first use, so ``import treepack.kernels`` needs neither triton nor a
+GPU):
 
 * ``reference`` (reference.py): pure torch, any device and dtype, autograd; the oracle.
 * ``flex`` (flex.py): torch's FlexAttention with a mask_mod of the same contract; a baseline to beat.
@@ -8,8 +9,8 @@ Backends (imported lazily, so ``import treepack.kernels`` needs neither triton n
   blocks.py; CUDA (or the Triton interpreter on CPU), bf16/fp16/fp32, head dims 32/64/128.
 * ``fa4`` (fa4.py): FlashAttention-4's CuTe DSL kernels (Hopper, Blackwell) with block sparsity and a
   mask_mod over the same contract; bf16/fp16, head dims 64/128; the optional extra ``treepack[fa4]``.
-* ``auto``: the fastest exact backend for the call by a measured table (backends.py): fa4 for large calls
-  where it is installed, triton otherwise, reference off CUDA.
+* ``auto``: the fastest exact backend for the call by a measured table (`registry.resolve` over
+  backends.py's table): fa4 for large calls where it is installed, triton otherwise, reference off CUDA.
 
 Validation costs no host sync: shapes, dtypes and devices only. The values of ``subtree_end``
 (``k < subtree_end[k] <= T``) are checked once per pack by `prepare`, and on every reference call given a
@@ -21,41 +22,24 @@ Shape suffixes: T pack tokens, P prefix tokens, H query heads, K kv heads, D hea
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
-from .backends import TRITON_DTYPES, TRITON_HEAD_DIMS, _triton_importable, pick_backend
-from .blocks import TreeMaskInfo, _dtype_name, check_subtree_end_values
-from .reference import tree_attention_reference
+from . import registry
+from .backends import TRITON_DTYPES, TRITON_HEAD_DIMS, triton_supports
+from .blocks import TreeMaskInfo, _dtype_name
 
-__all__ = ["IMPLS", "TRITON_DTYPES", "TRITON_HEAD_DIMS", "tree_attention", "triton_unsupported_reason"]
-
-IMPLS = ("auto", "reference", "flex", "triton", "fa4")
+__all__ = ["TRITON_DTYPES", "TRITON_HEAD_DIMS", "tree_attention", "triton_unsupported_reason"]
 
 
 def _shape(t: Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def triton_unsupported_reason(q: Tensor) -> str | None:
     """Why the triton backend cannot run on these (validated) inputs, or None if it can."""
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
-        return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {q.device}"
-    if q.dtype not in TRITON_DTYPES:
-        names = ", ".join(_dtype_name(d) for d in TRITON_DTYPES)
-        return f"the triton backend supports dtypes {names}, got {_dtype_name(q.dtype)}"
-    if q.shape[-1] not in TRITON_HEAD_DIMS:
-        dims = ", ".join(str(d) for d in TRITON_HEAD_DIMS)
-        return f"the triton backend supports head dims {dims}, got D={q.shape[-1]}"
-    if not _triton_importable():
-        return "triton is not installed"
-    return None
+    return triton_supports(registry.AttentionCall.of(q))
 
 
 def _validate(
@@ -67,8 +51,9 @@ def _validate(
     prefix_v: Tensor | None,
     impl: str,
 ) -> Tensor:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {', '.join(repr(i) for i in IMPLS)}, got {impl!r}")
+    if impl not in registry.names("tree"):
+        impls = registry.names("tree")
+        raise ValueError(f"impl must be one of {', '.join(repr(i) for i in impls)}, got {impl!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -166,42 +151,21 @@ def tree_attention(
         scale: softmax scale, default 1 / sqrt(D).
         impl: "reference" (pure torch), "flex" (FlexAttention), "triton" (fused kernels, CUDA), "fa4"
             (FlashAttention-4, Hopper / Blackwell, bf16 / fp16) or "auto" (the fastest of fa4 and triton for
-            the call's size by `backends.pick_backend`, else reference).
+            the call's size, else reference: `registry.resolve`); the names are `registry.names("tree")`.
 
     Returns:
         [T, Hq, D] attention output in the dtype of q. Differentiable in q, k, v, prefix_k and prefix_v.
     """
-    subtree_end_T = _validate(q, k, v, subtree_end, prefix_k, prefix_v, impl)
+    _validate(q, k, v, subtree_end, prefix_k, prefix_v, impl)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if prefix_k is not None and prefix_k.shape[0] == 0:
         prefix_k = prefix_v = None
-    if impl == "auto":
-        pairs = subtree_end.cache.get("pairs") if isinstance(subtree_end, TreeMaskInfo) else None
-        P = 0 if prefix_k is None else prefix_k.shape[0]
-        impl = pick_backend(q.shape[0], q.shape[1], q.shape[2], q.dtype, q.device, prefix_len=P, pairs=pairs)
-        if impl == "triton" and triton_unsupported_reason(q) is not None:
-            impl = "reference"
-    if impl == "reference":
-        if isinstance(subtree_end, Tensor):  # a TreeMaskInfo's values were checked by `prepare`
-            check_subtree_end_values(subtree_end_T)
-        return tree_attention_reference(
-            q, k, v, subtree_end_T, prefix_k_PKD=prefix_k, prefix_v_PKD=prefix_v, scale=float(scale)
-        )
-    if impl == "flex":
-        from .flex import tree_attention_flex
-
-        return tree_attention_flex(q, k, v, subtree_end, prefix_k=prefix_k, prefix_v=prefix_v, scale=float(scale))
-    if impl == "fa4":
-        from .fa4 import fa4_unsupported_reason, tree_attention_fa4
-
-        reason = fa4_unsupported_reason(q)
-        if reason is not None:
-            raise ValueError(f"impl='fa4': {reason}")
-        return tree_attention_fa4(q, k, v, subtree_end, prefix_k=prefix_k, prefix_v=prefix_v, scale=float(scale))
-    reason = triton_unsupported_reason(q)
-    if reason is not None:
-        raise ValueError(f"impl='triton': {reason}")
-    from .triton import tree_attention_triton
-
-    return tree_attention_triton(q, k, v, subtree_end, prefix_k=prefix_k, prefix_v=prefix_v, scale=float(scale))
+    pairs = subtree_end.cache.get("pairs") if isinstance(subtree_end, TreeMaskInfo) else None
+    call = registry.AttentionCall.of(q, k, v, prefix_k, prefix_v, prefix=0 if prefix_k is None else prefix_k.shape[0],
+                                     pairs=pairs)
+    try:
+        backend = registry.resolve("tree", impl, call)
+    except registry.BackendError as exc:
+        raise ValueError(f"impl={impl!r}: {exc.reason}") from None
+    return backend.run(q, k, v, subtree_end, prefix_k=prefix_k, prefix_v=prefix_v, scale=float(scale))

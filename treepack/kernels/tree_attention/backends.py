@@ -22,11 +22,13 @@ Shape suffixes: T call tokens, P cached-prefix tokens.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FA4_MIN_FLOPS", "MEASURED", "Rate", "attention_seconds", "pick_backend", "visible_pair_flops"]
+__all__ = ["FA4_MIN_FLOPS", "MEASURED", "Rate", "attention_seconds", "interpreting", "pick_backend",
+           "triton_importable", "triton_supports", "visible_pair_flops"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,10 @@ MEASURED: dict[str, dict[str, Rate]] = {
         "fa4": Rate("fa4", tflops=425.0, floor_ms=1.5),
         "triton": Rate("triton", tflops=330.0, floor_ms=1.3),
         "sdpa": Rate("sdpa", tflops=340.0, floor_ms=0.45),
+        # varlen over sequences laid back to back (treepack.kernels.varlen), one call: 1x H200, 32K packs of
+        # tau-bench, tau2, tau2-think, agentic-think (benchmarks/results/2026-11-28-attention-varlen-h200.md)
+        "fa4-varlen": Rate("fa4-varlen", tflops=525.0, floor_ms=1.5),
+        "flash-varlen": Rate("flash-varlen", tflops=285.0, floor_ms=0.5),
     },
 }
 # fwd+bwd visible-pair FLOPs from which FA4 beats the Triton kernel: measured crossover between 4.9e11 (tree,
@@ -58,7 +64,12 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TRITON_IMPORTABLE: bool | None = None  # cached answer (a plain global: torch.compile traces it as a constant)
 
 
-def _triton_importable() -> bool:
+def interpreting() -> bool:
+    """Triton's interpreter is on (``TRITON_INTERPRET=1``): the Triton kernels run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_importable() -> bool:
     global _TRITON_IMPORTABLE
     if _TRITON_IMPORTABLE is None:
         try:
@@ -108,6 +119,21 @@ def pick_backend(num_tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
     if (dtype in FA4_DTYPES and head_dim in FA4_HEAD_DIMS and fa4_supported_device(device)
             and visible_pair_flops(pairs, heads, head_dim) >= FA4_MIN_FLOPS and fa4_importable()):
         return "fa4"
-    if dtype in TRITON_DTYPES and head_dim in TRITON_HEAD_DIMS and _triton_importable():
+    if dtype in TRITON_DTYPES and head_dim in TRITON_HEAD_DIMS and triton_importable():
         return "triton"
     return "reference"
+
+
+def triton_supports(call) -> str | None:
+    """Why the triton backend cannot run a `registry.AttentionCall`, or None if it can."""
+    if call.device.type != "cuda" and not (call.device.type == "cpu" and interpreting()):
+        return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {call.device}"
+    if call.dtype not in TRITON_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in TRITON_DTYPES)
+        return f"the triton backend supports dtypes {names}, got {str(call.dtype).removeprefix('torch.')}"
+    if call.head_dim not in TRITON_HEAD_DIMS:
+        dims = ", ".join(str(d) for d in TRITON_HEAD_DIMS)
+        return f"the triton backend supports head dims {dims}, got D={call.head_dim}"
+    if not triton_importable():
+        return "triton is not installed"
+    return None

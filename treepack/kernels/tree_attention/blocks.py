@@ -1,6 +1,6 @@
 """Tree-mask helpers and the per-pack block schedule shared by every tree-attention backend.
 
-The mask contract (DESIGN §6): tokens of a pack are in DFS preorder, and query q may attend key k iff
+The mask contract (docs/design.md §6): tokens of a pack are in DFS preorder, and query q may attend key k iff
 ``k <= q < subtree_end[k]``. One int32 per token describes the whole mask; nothing here is quadratic in T
 except the dense `tree_mask` that tests use as an oracle.
 

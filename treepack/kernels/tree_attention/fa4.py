@@ -60,8 +60,8 @@ from .fa4_replay import LaunchReplay, ReplayStats
 from .ops import register_kernel_ops
 
 __all__ = ["FA4_BLOCK", "FA4_BWD_ORDERS", "FA4_DTYPES", "FA4_HEAD_DIMS", "bwd_order", "fa4_importable",
-           "fa4_supported_device", "fa4_tables", "fa4_tail_share", "fa4_unsupported_reason", "predicted_tail",
-           "tail_share", "tree_attention_fa4"]
+           "fa4_supported_device", "fa4_supports", "fa4_tables", "fa4_tail_share", "fa4_unsupported_reason",
+           "predicted_tail", "tail_share", "tree_attention_fa4"]
 
 FA4_BLOCK = 128  # FA4's Hopper forward tile (hdim 128) and the block-sparsity granularity it requires there
 # The backward's query blocks: FA4's Hopper backward runs 64-row tiles on 128-row and 64-row sparse blocks (two
@@ -248,20 +248,29 @@ def fa4_supported_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in FA4_ARCH_MAJORS
 
 
-def fa4_unsupported_reason(q: Tensor) -> str | None:
-    """Why the fa4 backend cannot run on these (validated) inputs, or None if it can."""
-    if q.device.type != "cuda":
-        return f"the fa4 backend needs CUDA tensors, got {q.device}"
-    if not fa4_supported_device(q.device):
-        major = torch.cuda.get_device_capability(q.device)[0]
+def _unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    if device.type != "cuda":
+        return f"the fa4 backend needs CUDA tensors, got {device}"
+    if not fa4_supported_device(device):
+        major = torch.cuda.get_device_capability(device)[0]
         return f"the fa4 backend needs a Hopper or Blackwell GPU (sm90 / sm100), got sm{major}x"
-    if q.dtype not in FA4_DTYPES:
-        return f"the fa4 backend supports bfloat16 and float16, got {str(q.dtype).removeprefix('torch.')}"
-    if q.shape[-1] not in FA4_HEAD_DIMS:
-        return f"the fa4 backend supports head dims {', '.join(map(str, FA4_HEAD_DIMS))}, got D={q.shape[-1]}"
+    if dtype not in FA4_DTYPES:
+        return f"the fa4 backend supports bfloat16 and float16, got {str(dtype).removeprefix('torch.')}"
+    if head_dim not in FA4_HEAD_DIMS:
+        return f"the fa4 backend supports head dims {', '.join(map(str, FA4_HEAD_DIMS))}, got D={head_dim}"
     if not fa4_importable():
         return f"flash-attn-4 is not importable ({_IMPORT_ERROR[0]}); install treepack[fa4]"
     return None
+
+
+def fa4_supports(call) -> str | None:
+    """Why the fa4 backend cannot run a `registry.AttentionCall`, or None if it can."""
+    return _unsupported(call.device, call.dtype, call.head_dim)
+
+
+def fa4_unsupported_reason(q: Tensor) -> str | None:
+    """Why the fa4 backend cannot run on these (validated) inputs, or None if it can."""
+    return _unsupported(q.device, q.dtype, q.shape[-1])
 
 
 def _compact(mask_RC: Tensor) -> tuple[Tensor, Tensor]:

@@ -84,17 +84,10 @@ def tree_attention_flex(
     prefix_v: Tensor | None = None,
     scale: float,
 ) -> Tensor:
-    """FlexAttention backend of `tree_attention` (inputs validated by the api)."""
+    """FlexAttention backend of `tree_attention` (inputs validated by the api; no backward on CPU: the
+    registry's `flex_supports` refuses such a call before it gets here)."""
     fa = _import_flex()
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q_THD, k_TKD, v_TKD, prefix_k, prefix_v)
-    )
     on_cuda = q_THD.device.type == "cuda"
-    if not on_cuda and needs_grad:
-        raise RuntimeError(
-            "impl='flex' has no backward on CPU (torch's FlexAttention supports backward on CUDA only); "
-            "use impl='reference' on CPU"
-        )
     H = q_THD.shape[1]
     P = 0 if prefix_k is None else prefix_k.shape[0]
     keys_SKD, values_SKD = k_TKD, v_TKD

@@ -61,7 +61,7 @@ def _fwd_flops(q_shape, k_shape, v_shape, prefix_k_shape, prefix_v_shape, *args,
 
 def _bwd_flops(grad_out_shape, q_shape, k_shape, v_shape, prefix_k_shape, prefix_v_shape, *args, out_shape=None,
                **kwargs) -> int:
-    """Twice the forward's matmuls (dS and dP, then dQ, dK and dV): DESIGN §9's 12 FLOPs per pair, head and
+    """Twice the forward's matmuls (dS and dP, then dQ, dK and dV): design §9's 12 FLOPs per pair, head and
     dimension for forward and backward together."""
     T, H, D = q_shape
     return 8 * H * D * causal_pairs_bound(T, 0 if prefix_k_shape is None else prefix_k_shape[0])

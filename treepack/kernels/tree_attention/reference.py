@@ -105,3 +105,18 @@ def tree_attention_reference(
         else:
             outs.append(_chunk(*args))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
+def run_reference(q_THD: Tensor, k_TKD: Tensor, v_TKD: Tensor, subtree_end, *, prefix_k: Tensor | None = None,
+                  prefix_v: Tensor | None = None, scale: float) -> Tensor:
+    """The registry's entry (`registry.py`): subtree_end a plain int32 tensor, whose values are checked here
+    (one host sync), or a `TreeMaskInfo`, checked once by `prepare`."""
+    from .blocks import TreeMaskInfo, check_subtree_end_values
+
+    if isinstance(subtree_end, TreeMaskInfo):
+        subtree_end_T = subtree_end.subtree_end_T
+    else:
+        subtree_end_T = subtree_end
+        check_subtree_end_values(subtree_end_T)
+    return tree_attention_reference(q_THD, k_TKD, v_TKD, subtree_end_T, prefix_k_PKD=prefix_k, prefix_v_PKD=prefix_v,
+                                    scale=scale)

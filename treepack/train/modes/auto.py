@@ -10,7 +10,7 @@ work of each candidate is counted exactly from the pack (numpy, no model call):
 - dense-leaf: the leaf lanes' tokens, their distinct targets, ``sum_l L_l (L_l + 1) / 2`` causal pairs,
   one model call per micro-batch and one attention call per lane per layer (`treepack.train.data.plan_dense`).
 
-and priced with a `SpeedTable` of measured throughputs (DESIGN §9's FLOP model split in two):
+and priced with a `SpeedTable` of measured throughputs (docs/design.md §9's FLOP model split in two):
 ``seconds = (6 P tokens + 6 D V predicted) / matmul + 12 L H E pairs / attention[backend]
 + L (calls x layer_call_seconds + attention calls x attention_call_seconds)``, P the non-embedding
 parameters. The attention term decides real data. Per visible pair the FA4 tree kernel runs at 1.21-1.49x
@@ -166,12 +166,23 @@ def model_shape(args) -> ModelShape:
 def tree_backend(impl: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, tokens: int,
                  pairs: int) -> str:
     """The backend a tree attention call with ``impl`` over ``tokens`` queries and ``pairs`` visible pairs
-    runs (``auto`` resolved by the kernels' own `pick_backend`)."""
-    if impl != "auto":
-        return impl
-    from treepack.kernels.tree_attention.backends import pick_backend
+    runs (the kernels' registry resolves ``auto``; a named one that cannot run is priced under its name)."""
+    from treepack.kernels.tree_attention.registry import AttentionCall, BackendError, resolve
 
-    return pick_backend(tokens, heads, head_dim, dtype, device, pairs=pairs)
+    try:
+        return resolve("tree", impl, AttentionCall(device, dtype, heads, head_dim, tokens, pairs=pairs)).name
+    except BackendError:
+        return impl
+
+
+def causal_backend(impl: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> str:
+    """The backend a dense mode's attention ``impl`` runs with (``auto``: per-sequence SDPA on a CPU)."""
+    from treepack.kernels.tree_attention.registry import AttentionCall, BackendError, resolve
+
+    try:
+        return resolve("causal", impl, AttentionCall(device, dtype, heads, head_dim)).name
+    except BackendError:
+        return impl
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,11 +212,14 @@ def tree_work(pack, rows) -> Work:
                 square_pairs=_square_pairs(end_T), calls=1, attention_calls=1)
 
 
-def dense_work(plan) -> Work:
-    """A dense mode's work from its `DensePlan` (SDPA: one attention call per lane)."""
+def dense_work(plan, varlen: bool = False) -> Work:
+    """A dense mode's work from its `DensePlan`: one attention call per lane (SDPA per sequence), or per
+    micro-batch (``varlen``: the sequences laid back to back, one call)."""
     squares = int((plan.length_Q * plan.length_Q).sum())
+    calls = plan.n_batches if varlen else int(plan.length_Q.shape[0])
     return Work(tokens=plan.tokens, predicted=plan.predicted, pairs=plan.pairs, square_pairs=squares,
-                calls=plan.n_batches, attention_calls=int(plan.length_Q.shape[0]))
+                calls=plan.n_batches, attention_calls=calls)
+
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,11 +270,14 @@ class AutoMode(Mode):
         dev = model.device
         if dtype is None:
             dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.dtype
-        works = {"tree": tree_work(pack, rows), "dense-leaf": dense_work(self.leaf.plan(pack, rows))}
-        a, tree = model.args, works["tree"]
+        a = model.args
+        leaf = causal_backend(self.leaf.attention, dev, dtype, a.num_heads, a.head_dim)
+        works = {"tree": tree_work(pack, rows),
+                 "dense-leaf": dense_work(self.leaf.plan(pack, rows), varlen=leaf.endswith("-varlen"))}
+        tree = works["tree"]
         backends = {"tree": tree_backend(self.tree.attention, dev, dtype, a.num_heads, a.head_dim, tree.tokens,
                                          tree.pairs),
-                    "dense-leaf": self.leaf.attention}
+                    "dense-leaf": leaf}
         return choose(works, backends, model_shape(model.args), self._table(dev))
 
     def __call__(self, model, pack, rows, objective, totals) -> ModeResult:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treepack.io.rollouts import _ranges
+from treepack.io.rollouts import ranges
 from treepack.train.attention import AttentionContext
 from treepack.train.data import DensePlan, plan_dense
 from treepack.train.losses import target_logprobs
@@ -47,7 +47,7 @@ DENSE_MODES = ("dense", "dense-leaf")
 class DenseMode(Mode):
     """Each sequence on its own (``leaves``: only the leaf sequences), micro-batched, backward inside."""
 
-    def __init__(self, attention: str = "sdpa", *, chunk_rows: int = 4096, leaves: bool = False,
+    def __init__(self, attention: str = "auto", *, chunk_rows: int = 4096, leaves: bool = False,
                  micro_batch_tokens: int | None = None) -> None:
         super().__init__(attention, chunk_rows=chunk_rows)
         self.leaves = leaves
@@ -74,8 +74,8 @@ class DenseMode(Mode):
         for b, rows_b in enumerate(plan.batch_rows()):
             lo, hi = int(plan.batch_B1[b]), int(plan.batch_B1[b + 1])
             length_Q = plan.length_Q[lo:hi]
-            flat_N = _ranges(offsets_S1[plan.seq_Q[lo:hi]], length_Q)
-            pos_N = _ranges(np.zeros(hi - lo, dtype=np.int64), length_Q)
+            flat_N = ranges(offsets_S1[plan.seq_Q[lo:hi]], length_Q)
+            pos_N = ranges(np.zeros(hi - lo, dtype=np.int64), length_Q)
             start_Q = np.cumsum(length_Q) - length_Q
             hidden_b = start_Q[plan.lane_R[rows_b] - lo] + plan.pos_R[rows_b] - 1
             read_U, first_U, inverse_b = np.unique(hidden_b, return_index=True, return_inverse=True)

@@ -32,7 +32,7 @@ recomputed under a memory budget, and each call's parameter gradients are summed
 (`_GradSum`; under working weights the matrices' by hooks, the embedding's and head's in place). On an H100 a
 tau-bench step (144 records, B=8192, budget 0.7, 10 calls, attention auto) took 0.995-1.007 s at 12.66 GiB, the
 GPU busy ~0.85-0.94 s of it (benchmarks/results/2026-11-26-dfs-host-h100.md).
-With ``cuda_graphs`` (`train.dfs_cuda_graphs`, `dfs_graphs`) a call shape met again is replayed from a CUDA
+With ``cuda_graphs`` (`[train.dfs] cuda_graphs`, `dfs_graphs`) a call shape met again is replayed from a CUDA
 graph: the host queues a step in ~0.75 s of ~0.94, GPU-bound at 1.07x (exact shapes) to 1.12x (bucketed) tree
 mode, ~1.8 GiB more (2026-11-26-dfs-bwd-order-h100.md). Each call's FA4 backward order is chosen from its
 subtree ends on the host (the cached prefix's key blocks are the longest CTAs; `fa4.tail_share`).
@@ -58,12 +58,13 @@ from torch import Tensor
 from treepack.errors import ConfigError
 from treepack.pack.layout import Pack
 from treepack.train.attention import KV, AttentionContext
+from treepack.train.config import DfsConfig
 from treepack.train.losses import BatchTotals, LossRows, Objective, target_logprobs, token_weights_fast
 from treepack.train.model import Decoder
 from treepack.train.modes.base import LayoutError, Mode, ModeResult, row_dtype
 from treepack.train.modes.dfs_graphs import CallGraphs, call_scalars, padded_inputs, unsupported_reason
 from treepack.train.modes.dfs_memory import AutoBlock
-from treepack.train.modes.dfs_schedule import MERGE_ANCHOR_TOKENS, ORDERS, Schedule, Step, plan
+from treepack.train.modes.dfs_schedule import Schedule, Step, plan
 from treepack.train.transfer import to_device
 from treepack.train.working_weights import head_copy
 
@@ -251,33 +252,24 @@ class DfsMode(Mode):
 
     name = "dfs"
 
-    def __init__(self, attention: str = "auto", *, chunk_rows: int = 4096, block_size: int | str | None = 2048,
-                 keep_tokens: int = 0, order: str = "backward", sft_fast_path: bool = True,
-                 subtree_calls: bool = True, merge_anchor_tokens: int = MERGE_ANCHOR_TOKENS,
-                 merge_pops: bool = True, cuda_graphs: bool = False) -> None:
-        if attention == "sdpa":
-            raise ConfigError("attention 'sdpa' runs independent causal sequences; dfs mode needs a tree kernel "
-                              "(auto, reference, flex, triton or fa4) for its cached prefix")
-        auto = block_size == "auto"
-        if isinstance(block_size, str) and not auto:
-            raise ConfigError(f"dfs block size must be a number of tokens or 'auto', got {block_size!r}")
-        if not auto and block_size is not None and block_size < 0:
-            raise ConfigError(f"dfs block size must be >= 0 (0: unlimited), got {block_size}")
-        if keep_tokens < 0:
-            raise ConfigError(f"dfs keep tokens must be >= 0, got {keep_tokens}")
-        if merge_anchor_tokens < 0:
-            raise ConfigError(f"dfs merge anchor tokens must be >= 0, got {merge_anchor_tokens}")
-        if order not in ORDERS:
-            raise ConfigError(f"dfs order must be one of {', '.join(ORDERS)}, got {order!r}")
+    def __init__(self, attention: str = "auto", *, chunk_rows: int = 4096, dfs: DfsConfig | None = None,
+                 sft_fast_path: bool = True, merge_pops: bool = True) -> None:
+        """``dfs``: the ``[train.dfs]`` settings, validated by `DfsConfig` (None: its defaults).
+        ``merge_pops``: consecutive pops of one path in one call (off only to measure what it saves)."""
+        dfs = DfsConfig() if dfs is None else dfs
+        if not isinstance(dfs, DfsConfig):
+            raise ConfigError(f"dfs settings must be a DfsConfig, got {type(dfs).__name__}")
         super().__init__(attention, chunk_rows=chunk_rows)
-        self.block_size = None if auto else block_size or None
-        self.keep_tokens = keep_tokens
-        self.order = order
+        block = dfs.block
+        auto = block == "auto"
+        self.block_size = None if auto else block or None
+        self.keep_tokens = dfs.keep_tokens
+        self.order = dfs.order
         self.sft_fast_path = sft_fast_path
-        self.subtree_calls = subtree_calls
-        self.merge_anchor_tokens = merge_anchor_tokens
+        self.subtree_calls = dfs.subtree_calls
+        self.merge_anchor_tokens = dfs.merge_anchor_tokens
         self.merge_pops = merge_pops
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs = dfs.cuda_graphs
         self._graphs: CallGraphs | None = None  # kept across packs: the captured calls and their buffers
         self._graphs_off: str | None = None
         self.auto = AutoBlock() if auto else None  # block_size "auto": planned per pack from the GPU's memory
@@ -291,10 +283,10 @@ class DfsMode(Mode):
     def describe_block(self, model: Decoder, packs: list[Pack], compute_dtype: torch.dtype) -> str:
         """The start line (under the loop's autocast): the block, why for an auto one, and graphs that cannot run."""
         self._graphs_off = unsupported_reason(model, self.attention) if self.cuda_graphs else None
-        off = f"; dfs_cuda_graphs is off: {self._graphs_off}" if self._graphs_off else ""
+        off = f"; dfs.cuda_graphs is off: {self._graphs_off}" if self._graphs_off else ""
         if self.auto is None:
-            return (f"dfs: calls of up to {self.block_size:,} tokens (dfs_block_size)" if self.block_size else
-                    "dfs: each pack in one call (dfs_block_size = 0: unlimited)") + off
+            return (f"dfs: calls of up to {self.block_size:,} tokens (dfs.block_size)" if self.block_size else
+                    "dfs: each pack in one call (dfs.block_size = 0: unlimited)") + off
         return self.auto.describe(model, packs, chunk_rows=self.chunk_rows, graphs=self.cuda_graphs and not off,
                                   extra_tokens=self.merge_anchor_tokens + self.keep_tokens, compute_dtype=compute_dtype) + off
 

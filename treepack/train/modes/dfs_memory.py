@@ -1,4 +1,4 @@
-"""How many tokens a dfs call may forward with grad on this GPU: ``train.dfs_block_size = "auto"``.
+"""How many tokens a dfs call may forward with grad on this GPU: ``[train.dfs] block_size = "auto"``.
 
 A fixed block is either too small for a small model or too large for a larger one. At 2,048 tokens a call,
 tau-bench's 32K packs took 4.5x tree mode's time for Qwen3-0.6B on an H100, where the memory allowed a pack in
@@ -105,7 +105,7 @@ class BlockPlan:
     def line(self) -> str:
         gb = 1e9
         room = self.available - self.state - self.cache - self.head
-        text = (f"dfs: calls of up to {self.tokens:,} tokens (dfs_block_size = \"auto\": {max(room, 0) / gb:.1f} of "
+        text = (f"dfs: calls of up to {self.tokens:,} tokens (dfs.block_size = \"auto\": {max(room, 0) / gb:.1f} of "
                 f"{self.available / gb:.1f} GB for a call's activations at ~{self.per_token / 1e6:.2f} MB a token, "
                 f"after {self.state / gb:.1f} GB of weights and optimizer state, {self.cache / gb:.1f} GB of path "
                 f"cache, {self.head / gb:.1f} GB of logits and workspace)")
@@ -160,5 +160,5 @@ class AutoBlock:
         least as large)."""
         plan = self.plan(model, max(packs, key=longest_path), **options)
         if plan is None:
-            return f'dfs: calls of up to {CPU_BLOCK:,} tokens (dfs_block_size = "auto" off a GPU)'
+            return f'dfs: calls of up to {CPU_BLOCK:,} tokens (dfs.block_size = "auto" off a GPU)'
         return plan.line()

@@ -51,7 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ORDERS = ("backward", "layout")
+from treepack.train.config import DFS_ORDERS, DfsConfig
+
+ORDERS = DFS_ORDERS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,8 +241,9 @@ def leaf_order(nodes: _Nodes, order: str = "backward") -> list[int]:
 # A no-grad model call costs host time whatever its size: ~600 launches for a 28-layer model, ~30 ms where
 # the host sets the pace (dfs on an H200: ~97 ms per fwd+bwd call, the host queueing 97% of the step). Riding
 # along in a grad call instead costs the anchor's backward (zero gradients, but the same FLOPs): ~11 us a token
-# for Qwen3-0.6B on an H200, so ~2,800 tokens break even when host-bound and ~250 when GPU-bound.
-MERGE_ANCHOR_TOKENS = 512
+# for Qwen3-0.6B on an H200, so ~2,800 tokens break even when host-bound and ~250 when GPU-bound. The default,
+# 512, is [train.dfs] merge_anchor_tokens' (treepack.train.config.DfsConfig).
+MERGE_ANCHOR_TOKENS = DfsConfig.merge_anchor_tokens
 
 
 def _merge_anchor(prev: Step, anchor: Step, limit: int, most: int) -> Step | None:

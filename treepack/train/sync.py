@@ -1,0 +1,237 @@
+"""How the one training loop (`treepack.train.loop.train`) spreads a step over processes: the gradient sync.
+
+A step is the same at any world size: take this process's share of the global batch, run its packs (each
+back-propagates its part of the batch loss, normalised over the WHOLE batch, so summed gradients are exact),
+reduce the gradients, clip, AdamW. Everything that depends on the number of processes sits behind one interface
+the loop calls, so there is one loop, one start-up, one resume and one step line:
+
+- `share(batch)`: this process's packs, their loss rows, and the whole batch's normalisers (`BatchTotals`);
+- `begin(share)` / `finish(share)`: around the packs, the after-backward reduction (FSDP2: gather every unit
+  once, reduce-scatter once; one process: nothing);
+- `grad_norm(params, max_norm)`: the global gradient norm, clipping;
+- `step_stats(queued, peak)`: the step's numbers over every rank (one all-gather) and `line_extras`, what the
+  step line adds (``| dp N | imbalance P% pred / M% meas | idle I%``);
+- `save` / `load`: the checkpoint format (`treepack.train.checkpoint`: safetensors from one process, DCP from
+  ranks; either resumes either).
+
+`SingleProcess` is the plain run: the whole batch, no collective, and a step's numbers read back while the next
+step's first pack is queued (`QueuedStep`: the host never drains the GPU between steps). `DataParallel` is
+``torchrun``'s (FSDP2 over the ranks of a `treepack.train.parallel.ProcessGroup`): the sharing-aware split
+(`distributed.shard_batch`), `fsdp.Accumulation` (one reduce-scatter a step, gradients summed, never averaged),
+and a step's numbers gathered as soon as it ends (a collective every rank reaches at the same point). At world
+size 1 it shards nothing: FSDP over one rank cost 21.8% more time per step than the plain loop on an H100
+(Qwen3-0.6B shape, tau-bench packs of 16k; benchmarks/results/2026-11-25-distributed-h100.md), so the rank runs
+the plain loop's operations plus one all-gather of the step's numbers, and still saves DCP checkpoints.
+
+Rank 0 prints the split of the first step (per-rank packs, tokens, predicted FLOPs, imbalance). ``pred`` is the
+balance's costliest rank over the mean, ``meas`` the same for the ranks' measured compute times, ``idle`` the
+share of the ranks' step time spent waiting for the slowest. ``metrics.jsonl`` gets every rank's tokens,
+predicted FLOPs, measured compute and idle seconds and predicted seconds (its predicted FLOPs at the step's
+measured FLOP rate); ``tokens`` and ``mfu`` are over all ranks (MFU = model FLOPs / (seconds x N x peak)); a
+mode's own figures (dfs accounting, GRPO clip fraction) are rank 0's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treepack.pack.layout import Pack
+from treepack.train.checkpoint import load_checkpoint, save_checkpoint
+from treepack.train.losses import BatchTotals, LossRows
+from treepack.train.metrics import QueuedStep, StepStats
+
+
+@dataclass
+class Share:
+    """One process's part of a step's global batch."""
+
+    packs: list[Pack]  # the packs (or pieces of packs) this process runs, in batch order
+    rows: list[LossRows]  # their loss rows
+    totals: BatchTotals  # normalisers of the WHOLE global batch
+    split: object = None  # data parallel: the `distributed.RankShare` (every rank's load)
+    timer: PackTimer | None = None  # data parallel: this rank's compute time of the packs
+
+
+class SingleProcess:
+    """One process: the whole batch, no collective."""
+
+    rank = 0
+    world_size = 1
+    sharded = False  # whether the model's parameters are sharded over ranks
+    defer_readback = True  # a step's numbers may be read during the next step
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def prepare(self, model) -> None:
+        """Called once the model is built, before its optimizer."""
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called once the optimizer is built, before a checkpoint is loaded into it."""
+
+    def describe(self, param_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> list[str]:
+        return []
+
+    def share(self, batch: list[Pack]) -> Share:
+        rows = [LossRows.from_pack(p) for p in batch]
+        return Share(packs=batch, rows=rows, totals=BatchTotals.of(rows))
+
+    def split_lines(self, share: Share, step: int) -> list[str]:
+        """How the step's batch is split over ranks (printed at a run's first step)."""
+        return []
+
+    def begin(self, share: Share) -> None:
+        """Before the step's first pack."""
+
+    def finish(self, share: Share) -> None:
+        """After the step's last backward: the gradients are the batch's once this returns (or is queued)."""
+
+    def grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The global gradient norm, a 0-d tensor (reading it is the caller's host sync); clips when max_norm > 0."""
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params if p.grad is not None]))
+
+    def step_stats(self, q: QueuedStep, peak: float | None) -> StepStats:
+        """A queued step read back (waiting for its end on the device only)."""
+        loss, norm, seconds = q.read()
+        return StepStats(step=q.step, loss=loss, lr=q.lr, grad_norm=norm, tokens=q.tokens, flat_tokens=q.flat_tokens,
+                         loss_tokens=q.loss_tokens, seconds=seconds, mem_gb=q.mem_gb,
+                         mfu=q.flops / seconds / peak if peak else None, extra=q.extra)
+
+    def line_extras(self, stats: StepStats) -> str:
+        return ""
+
+    def save(self, out_dir, model, optimizer, state: dict, *, final: bool) -> None:
+        save_checkpoint(out_dir, model, optimizer, state)
+
+    def load(self, out_dir, model, optimizer) -> dict:
+        return load_checkpoint(out_dir, model, optimizer)
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+
+class DataParallel(SingleProcess):
+    """The ranks of a `treepack.train.parallel.ProcessGroup`, FSDP2 when there is more than one."""
+
+    defer_readback = False  # a step's numbers are gathered over ranks as soon as it ends
+
+    def __init__(self, group, mode: str) -> None:
+        super().__init__(group.device)
+        self.group = group
+        self.mode = mode  # the execution mode's name: its layout is what the balance costs
+        self.rank, self.world_size = group.rank, group.world_size
+        self.sharded = group.world_size > 1
+        self.flops = self.accumulation = None
+
+    def prepare(self, model) -> None:
+        from treepack.train.distributed import flop_model
+        from treepack.train.fsdp import Accumulation, shard_model
+
+        if self.sharded:
+            shard_model(model, self.group.mesh)  # float32 parameters gathered; bf16 under autocast, as one process
+        self.flops = flop_model(model.args)
+        self.accumulation = Accumulation(model)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.sharded and not optimizer.defaults.get("fused"):
+            for g in optimizer.param_groups:  # AdamW picks its per-tensor loop for DTensors unless told otherwise
+                g["foreach"] = True
+
+    def describe(self, param_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> list[str]:
+        precision = str(param_dtype).removeprefix("torch.")
+        if autocast_dtype is not None:
+            precision = "bf16 autocast, float32 parameters and gradient reduction"
+        return [(f"data parallel: {self.world_size} ranks ({self.group.backend}, {self.device.type}), "
+                 f"{'FSDP2' if self.sharded else 'one rank, not sharded'}, {precision}")]
+
+    def share(self, batch: list[Pack]) -> Share:
+        from treepack.train.distributed import shard_batch
+
+        split = shard_batch(batch, flops=self.flops, mode=self.mode, rank=self.rank, world_size=self.world_size)
+        return Share(packs=split.packs, rows=[LossRows.from_pack(p) for p in split.packs], totals=split.totals,
+                     split=split)
+
+    def split_lines(self, share: Share, step: int) -> list[str]:
+        return share.split.table(step)
+
+    def begin(self, share: Share) -> None:
+        self.accumulation.begin()
+        share.timer = PackTimer(self.device)
+
+    def finish(self, share: Share) -> None:
+        share.timer.stop()
+        self.accumulation.finish()  # queued behind the packs: no host sync until the step's numbers are read
+
+    def grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        from treepack.train.fsdp import grad_norm
+
+        return grad_norm(params, max_norm)
+
+    def step_stats(self, q: QueuedStep, peak: float | None) -> StepStats:
+        """The step's numbers over all ranks, with the per-rank balance figures in ``extra``."""
+        from treepack.train.distributed import gather_floats
+
+        loss, norm, seconds = q.read()
+        share = q.share
+        ranks = gather_floats([loss, q.tokens, share.timer.seconds(), q.mem_gb], self.device)
+        compute = ranks[:, 2]
+        cost = np.asarray(share.split.rank_cost, dtype=np.float64)
+        rate = cost.sum() / compute.sum() if compute.sum() > 0 else 0.0  # the step's measured FLOP/s per rank
+        predicted = cost / rate if rate else np.zeros_like(cost)
+        idle = compute.max() - compute
+        world = self.world_size
+        dp = {
+            "world_size": world, **share.split.to_json(),
+            "rank_seconds": compute.tolist(), "rank_idle_seconds": idle.tolist(),
+            "rank_predicted_seconds": predicted.tolist(),
+            "imbalance_measured": float(compute.max() / compute.mean()) if compute.mean() > 0 else 1.0,
+            "idle_fraction": float(idle.sum() / (world * compute.max())) if compute.max() > 0 else 0.0,
+        }
+        return StepStats(
+            step=q.step, loss=float(ranks[:, 0].sum()), lr=q.lr, grad_norm=norm, tokens=int(ranks[:, 1].sum()),
+            flat_tokens=q.flat_tokens, loss_tokens=q.loss_tokens, seconds=seconds, mem_gb=float(ranks[:, 3].max()),
+            mfu=float(cost.sum()) / seconds / (peak * world) if peak else None, extra={**q.extra, **dp},
+        )
+
+    def line_extras(self, stats: StepStats) -> str:
+        e = stats.extra
+        return (f" | dp {e['world_size']} | imbalance {100 * (e['imbalance_predicted'] - 1):.1f}% pred / "
+                f"{100 * (e['imbalance_measured'] - 1):.1f}% meas | idle {100 * e['idle_fraction']:.1f}%")
+
+    def save(self, out_dir, model, optimizer, state: dict, *, final: bool) -> None:
+        save_checkpoint(out_dir, model, optimizer, state, distributed=True, export_model=final)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+class PackTimer:
+    """A rank's compute time of one step's packs: CUDA events around them (read once the step is done, so the
+    host queues the gradient sync, clipping and AdamW behind the packs instead of waiting for them), or the
+    host clock on a CPU, where every op finishes before the next starts."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.t0, self.t1 = time.perf_counter(), None
+
+    def stop(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.t1 - self.t0
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
