@@ -283,6 +283,44 @@ def test_two_nodes_give_the_single_process_run(tmp_path):
     assert max_rel_diff(weights(tmp_path / "nodes"), weights(plain.output_dir)) < TOL
 
 
+def test_two_nodes_with_separate_output_dirs_are_refused_before_writing(tmp_path, monkeypatch):
+    """Two 'nodes' whose output.dir is each its own local directory (a config copied into each node's working
+    directory): the first save stops every rank with one line saying output.dir must be shared, instead of a
+    checkpoint whose other node's shards rank 0 never sees. No rank waits the network file system's grace."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREEPACK_SHARED_DIR_WAIT_S": "0.5"}
+    dirs = [tmp_path / f"node{i}" for i in range(2)]
+    for d in dirs:
+        d.mkdir()
+        write_rollouts(d / "rollouts.jsonl")
+        write_config(d, "tree", out="run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "split-dirs",
+           "-m", "treepack", "train", "run.toml"]
+    nodes = [subprocess.Popen(cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for d in dirs]
+    try:
+        outs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert sorted(node.returncode for node in nodes) == [1, 1], [err[-3000:] for _, err in outs]
+    # rank 0 prints the line; the other node's rank, which its own torchrun does not stop, prints it after a grace
+    errors = sorted(line for _, err in outs for line in err.splitlines() if line.startswith("Error:"))
+    assert errors[0].startswith("Error: output.dir run is not one directory for every rank: rank 1 cannot see the "
+                                "checkpoint rank 0 is writing"), errors
+    assert all(e.endswith("on several nodes put output.dir on storage every node mounts at the same path")
+               for e in errors), errors
+    assert len(errors) <= 2 and all(e.startswith("Error: rank 1: output.dir") for e in errors[1:]), errors
+    for d in dirs:  # nothing half-written is left where a resume would look
+        assert not (d / "run" / "checkpoint").exists()
+
+
 def test_cli_nproc_errors(tmp_path):
     """A data error stops every rank; rank 0 alone prints it, exit 1. --nproc 0 is a usage error."""
     write_rollouts(tmp_path / "rollouts.jsonl")

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,16 +89,39 @@ def _staged(final: Path, *, collective: bool) -> Iterator[Path]:
         with replaced_dir(final) as tmp:
             if collective:
                 dist.broadcast_object_list([str(tmp)], src=0)
+                _every_rank_sees(tmp, final)
             yield tmp
             if collective:
                 dist.barrier()  # every rank has written its files
     else:
         name = [None]
         dist.broadcast_object_list(name, src=0)
+        _every_rank_sees(Path(name[0]), final)
         yield Path(name[0])
         dist.barrier()
     if collective:
         dist.barrier()  # the swap is done
+
+
+# how long a rank waits to see rank 0's new directory (network file systems lag); TREEPACK_SHARED_DIR_WAIT_S
+SHARED_DIR_WAIT_S = float(os.environ.get("TREEPACK_SHARED_DIR_WAIT_S", "10"))
+
+
+def _every_rank_sees(tmp: Path, final: Path) -> None:
+    """Refuse a collective save whose directory some rank cannot see: with ``output.dir`` on one node's local
+    disk, the other nodes' shards would land where rank 0 never looks, and the checkpoint could not resume.
+    Every rank answers, so all of them stop together with one line."""
+    deadline = time.monotonic() + SHARED_DIR_WAIT_S
+    while not tmp.is_dir() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, tmp.is_dir())
+    blind = [rank for rank, ok in enumerate(seen) if not ok]
+    if blind:
+        ranks = ", ".join(str(r) for r in blind)
+        raise ConfigError(f"output.dir {final.parent} is not one directory for every rank: rank{'s' if len(blind) > 1 else ''} "
+                          f"{ranks} cannot see the checkpoint rank 0 is writing ({tmp.name}); on several nodes put "
+                          "output.dir on storage every node mounts at the same path")
 
 
 def _write_safetensors(path: Path, model: Decoder, optimizer: torch.optim.Optimizer, state: dict) -> None:
