@@ -86,7 +86,7 @@ def test_an_intact_pack_checks_and_reads(packed, tmp_path):
     assert (r.code, r.err) == (0, "")
     shards = read_manifest(pk)["shards"]
     tokens, size = sum(s["tokens"] for s in shards), sum(s["bytes"] for s in shards)
-    assert r.out == (f"{pk}: ok: 18 shard(s), 18 packs, 36 records, {tokens:,} tokens, {size:,} bytes: sizes, sha256, "
+    assert r.out == (f"{pk}: ok: 18 shards, 18 packs, 36 records, {tokens:,} tokens, {size:,} bytes: sizes, sha256, "
                      "rows, records, tokens and pack order match the manifest\n")
     assert [p.meta["pack_index"] for p in read_packs(pk)] == list(range(18))
     m = read_manifest(pk)

@@ -37,7 +37,13 @@ def check(
         what = ("sizes, sha256, rows, records, tokens and pack order match the manifest" if s["sha256"] else
                 f"sizes, rows, page checksums and pack order match the manifest (schema version "
                 f"{s['schema_version']}: written before sha256s)")
-        console.print(f"{s['path']}: ok: {s['shards']:,} shard(s), {s['packs']:,} packs, {s['records']:,} records, "
-                      f"{s['tokens']:,} tokens, {s['bytes']:,} bytes: {what}", markup=False)
+        counts = ", ".join(_count(s[key], noun) for key, noun in
+                           (("shards", "shard"), ("packs", "pack"), ("records", "record"), ("tokens", "token"),
+                            ("bytes", "byte")))
+        console.print(f"{s['path']}: ok: {counts}: {what}", markup=False)
     if failed:
         raise typer.Exit(1)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
