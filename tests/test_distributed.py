@@ -246,31 +246,39 @@ def test_cli_nproc(tmp_path):
         assert [s for s, _ in got["balance/imbalance_measured"]] == [1, 2]
 
 
-def test_two_nodes_give_the_single_process_run(tmp_path):
-    """The README's multi-node launch, two 'nodes' on this host: two torchrun processes of 2 ranks each
-    (``--nnodes 2``, a c10d rendezvous on 127.0.0.1 at a free port, gloo), the same config and data, the output
-    directory shared (one working directory). World size 4: the single-process run's losses and weights to
-    1e-9; global rank 0 alone prints, on whichever node the rendezvous made node 0."""
+def run_nodes(cwds: list[Path], config: str, *, nproc_per_node: int, env: dict | None = None
+              ) -> tuple[list[int], list[tuple[str, str]]]:
+    """One torchrun 'node' per working directory (``--nnodes len(cwds)``, a c10d rendezvous on 127.0.0.1 at a
+    free port, gloo), each running ``treepack train config``: their exit codes and (stdout, stderr)."""
     import socket
 
-    write_rollouts(tmp_path / "rollouts.jsonl")
-    config = write_config(tmp_path, "tree", out="nodes")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-           "-m", "treepack", "train", config.name]
-    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(cwds)), "--nproc-per-node",
+           str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", f"nodes-{port}", "-m", "treepack", "train", config]
+    nodes = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cwd in cwds]
     try:
         outs = [node.communicate(timeout=300) for node in nodes]
     finally:
         for node in nodes:
             if node.poll() is None:
                 node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outs]
+    return [node.returncode for node in nodes], outs
+
+
+def test_two_nodes_give_the_single_process_run(tmp_path):
+    """The README's multi-node launch, two 'nodes' on this host: two torchrun processes of 2 ranks each
+    (``--nnodes 2``, a c10d rendezvous on 127.0.0.1 at a free port, gloo), the same config and data, the output
+    directory shared (one working directory). World size 4: the single-process run's losses and weights to
+    1e-9; global rank 0 alone prints, on whichever node the rendezvous made node 0."""
+    write_rollouts(tmp_path / "rollouts.jsonl")
+    config = write_config(tmp_path, "tree", out="nodes")
+    codes, outs = run_nodes([tmp_path, tmp_path], config.name, nproc_per_node=2)
+    assert codes == [0, 0], [err[-3000:] for _, err in outs]
     printed = [out for out, _ in outs if out]
     assert len(printed) == 1, outs
     lines = printed[0].splitlines()
@@ -287,29 +295,13 @@ def test_two_nodes_with_separate_output_dirs_are_refused_before_writing(tmp_path
     """Two 'nodes' whose output.dir is each its own local directory (a config copied into each node's working
     directory): the first save stops every rank with one line saying output.dir must be shared, instead of a
     checkpoint whose other node's shards rank 0 never sees. No rank waits the network file system's grace."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREEPACK_SHARED_DIR_WAIT_S": "0.5"}
     dirs = [tmp_path / f"node{i}" for i in range(2)]
     for d in dirs:
         d.mkdir()
         write_rollouts(d / "rollouts.jsonl")
         write_config(d, "tree", out="run")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "split-dirs",
-           "-m", "treepack", "train", "run.toml"]
-    nodes = [subprocess.Popen(cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for d in dirs]
-    try:
-        outs = [node.communicate(timeout=300) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-    assert sorted(node.returncode for node in nodes) == [1, 1], [err[-3000:] for _, err in outs]
+    codes, outs = run_nodes(dirs, "run.toml", nproc_per_node=1, env={"TREEPACK_SHARED_DIR_WAIT_S": "0.5"})
+    assert codes == [1, 1], [err[-3000:] for _, err in outs]
     # rank 0 prints the line; the other node's rank, which its own torchrun does not stop, prints it after a grace
     errors = sorted(line for _, err in outs for line in err.splitlines() if line.startswith("Error:"))
     assert errors[0].startswith("Error: output.dir run is not one directory for every rank: rank 1 cannot see the "

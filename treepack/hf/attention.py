@@ -48,7 +48,6 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-import treepack.train.attention  # noqa: F401 - registers the causal family's sdpa: every backend name is known
 from treepack.errors import TreepackError
 from treepack.kernels.tree_attention import registry
 

@@ -191,38 +191,8 @@ def _gzip_blocks(fh, first: bytes, progress, block_bytes: int, hasher) -> Iterat
     stop = threading.Event()  # set when the reader stops early (an error on line 3 of a 10 GB file)
     worker = threading.Thread(target=_inflate, args=(fh, first, out, consumed, hasher, stop), daemon=True)
     worker.start()
-    reported = 0
-    parts: list[bytes] = []
-    size = 0
     try:
-        while True:
-            item = out.get()
-            if progress is not None and consumed[0] > reported:
-                progress(consumed[0] - reported)
-                reported = consumed[0]
-            if item is None or isinstance(item, BaseException):
-                break
-            parts.append(item)
-            size += len(item)
-            if size >= block_bytes:
-                buf = b"".join(parts)
-                cut = buf.rfind(b"\n") + 1
-                if cut:
-                    yield buf[:cut]
-                    parts, size = [buf[cut:]], len(buf) - cut
-                else:
-                    parts = [buf]
-        buf = b"".join(parts)
-        if isinstance(item, StreamError):  # the partial line at the break is not a record: the error says so
-            cut = buf.rfind(b"\n") + 1
-            if cut:
-                yield buf[:cut]
-            item.partial = len(buf) - cut
-            raise item
-        if buf:
-            yield buf
-        if isinstance(item, BaseException):
-            raise item
+        yield from _lines(_queued(out, consumed, progress), block_bytes, tail_before_error=True)
     finally:
         stop.set()
         while worker.is_alive():  # unblock and join the inflater if the consumer stopped early
@@ -232,9 +202,26 @@ def _gzip_blocks(fh, first: bytes, progress, block_bytes: int, hasher) -> Iterat
                 worker.join(0.01)
 
 
-def _lines(chunks: Iterator[bytes], block_bytes: int) -> Iterator[bytes]:
+def _queued(out: queue.Queue, consumed: list[int], progress) -> Iterator[bytes]:
+    """The inflater's chunks as they come (its error raised where it stopped), reporting the compressed bytes
+    it has read."""
+    reported = 0
+    while True:
+        item = out.get()
+        if progress is not None and consumed[0] > reported:
+            progress(consumed[0] - reported)
+            reported = consumed[0]
+        if item is None:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def _lines(chunks: Iterator[bytes], block_bytes: int, *, tail_before_error: bool = False) -> Iterator[bytes]:
     """Blocks of whole lines from decompressed chunks; a ``StreamError`` from the chunks comes after the whole
-    lines before it, with ``partial`` = the bytes of the line it cut."""
+    lines before it, with ``partial`` = the bytes of the line it cut. ``tail_before_error``: any other error of
+    the chunks comes after everything read before it, the last partial line included."""
     parts: list[bytes] = []
     size = 0
     try:
@@ -255,6 +242,13 @@ def _lines(chunks: Iterator[bytes], block_bytes: int) -> Iterator[bytes]:
         if cut:
             yield buf[:cut]
         err.partial = len(buf) - cut
+        raise
+    except GeneratorExit:  # the consumer stopped early: nothing more to give
+        raise
+    except BaseException:
+        buf = b"".join(parts)
+        if tail_before_error and buf:
+            yield buf
         raise
     buf = b"".join(parts)
     if buf:
