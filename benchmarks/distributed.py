@@ -61,12 +61,15 @@ dtype = "{dtype}"
 device = "{device}"
 compile = "{compile}"
 activation_checkpointing = {ac}
+
+balance = "{balance}"
 [train.loss]
 kind = "grpo"
 
 [output]
 dir = "{out}"
 save_every = 0
+save_final = false
 """
 
 
@@ -92,6 +95,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--balance", default="auto", choices=("auto", "flops", "measured"), help="train.balance")
     p.add_argument("--overhead", action="store_true",
                    help="instead: the plain loop vs the data-parallel loop at world size 1, alternated --repeat "
                         "times in ONE torchrun process (same warm caches; the A/B of their per-step overhead)")
@@ -121,7 +125,7 @@ def write_config(directory: Path, args: argparse.Namespace, mode: str, world: in
         heads=m.n_heads, kv=m.n_kv_heads, hd=m.head_dim, tie="true" if m.d_model <= 2560 else "false",
         data=", ".join(json.dumps(str(Path(p).resolve())) for p in args.data), capacity=args.capacity, packs=packs,
         mode=mode, steps=args.steps, dtype=args.dtype, device=args.device, compile=args.compile,
-        ac="true" if args.activation_checkpointing else "false", out=directory / tag)
+        ac="true" if args.activation_checkpointing else "false", out=directory / tag, balance=args.balance)
     if args.full_vocab:
         text = text.replace("[model]\n", f"[model]\nvocab_size = {m.vocab}\n", 1)
     path = directory / f"{tag}.toml"
@@ -153,10 +157,18 @@ def summarise(steps: list[dict], warmup: int) -> dict:
         vals = [s[key] for s in timed if key in s]
         return med(vals) if vals else None
 
+    gaps = [100 * abs(s["imbalance_measured"] - s["imbalance_predicted"]) for s in timed
+            if "imbalance_measured" in s and "imbalance_predicted" in s]
+
     return {"steps": len(timed), "seconds": pick("seconds"), "tok_per_s": pick("tok_per_s"),
             "flat_tok_per_s": pick("flat_tok_per_s"), "mfu": pick("mfu"), "mem_gb": max(s["mem_gb"] for s in timed),
             "imbalance_predicted": pick("imbalance_predicted"), "imbalance_measured": pick("imbalance_measured"),
             "idle_fraction": pick("idle_fraction"), "step_seconds": [s["seconds"] for s in timed],
+            # steady steps: how far the measured imbalance was from the predicted one (percentage points)
+            "imbalance_gap": med(gaps) if gaps else None,
+            # every step of the run, warm-up included: slower than 1.3x the timed median, and what compiled
+            "slow_steps": [s["step"] for s in steps if s["seconds"] > 1.3 * med([t["seconds"] for t in timed])],
+            "compiled_steps": {s["step"]: s.get("rank_compiles", s.get("compiles")) for s in steps if s.get("compiles")},
             "rank_seconds": [s.get("rank_seconds") for s in timed]}  # per step: each rank's compute seconds
 
 
@@ -172,15 +184,19 @@ def report(args, argv, rows: list[dict], hardware: str) -> str:
              f"{', '.join(Path(p).name for p in args.data)} packed at {args.capacity}; GRPO loss; "
              f"{args.packs_per_step} packs per step{' per rank' if args.batch == 'per-rank' else ''}; "
              f"compile {args.compile}; medians of steps {args.warmup + 1}-{args.steps}"), "",
-             ("| mode | runner | ranks | s/step | tok/s | flat tok/s | MFU | peak GB | imbalance pred / meas | idle "
-             "| scaling eff. | vs plain |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             ("| mode | runner | ranks | s/step | tok/s | flat tok/s | MFU | peak GB | imbalance pred / meas | gap | idle "
+             "| scaling eff. | vs plain | slow steps | compiled (per rank) |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['mode']} | {r['runner']} | {r['world']} | {r['seconds']:.4f} | {r['tok_per_s']:.0f} | "
             f"{r['flat_tok_per_s']:.0f} | {pct(r['mfu'])} | {r['mem_gb']:.1f} | "
             f"{pct(None if r['imbalance_predicted'] is None else r['imbalance_predicted'] - 1)} / "
             f"{pct(None if r['imbalance_measured'] is None else r['imbalance_measured'] - 1)} | "
-            f"{pct(r['idle_fraction'])} | {r.get('efficiency', '-')} | {r.get('vs_plain', '-')} |")
+            f"{'-' if r['imbalance_gap'] is None else format(r['imbalance_gap'], '.1f') + ' pts'} | "
+            f"{pct(r['idle_fraction'])} | {r.get('efficiency', '-')} | {r.get('vs_plain', '-')} | "
+            f"{', '.join(map(str, r['slow_steps'])) or '-'} | "
+            f"{'; '.join(f'step {k}: {v}' for k, v in r['compiled_steps'].items()) or '-'} |")
     for r in rows:
         if r.get("paired_steps"):
             lines.append(f"\n{r['mode']}, torchrun at world size 1 over the plain loop, step by step on the same "

@@ -30,6 +30,7 @@ from treepack.pack.layout import build_pack, relayout
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOKENS, PREDICTED, PAIRS = FlopModel(1, 0, 0), FlopModel(0, 1, 0), FlopModel(0, 0, 1)
+CALLS = FlopModel(0, 0, 0, per_call=1)  # one a piece: a run of any length is one model call
 
 
 @st.composite
@@ -47,13 +48,13 @@ def naive_work(seqs, masks, layout: str) -> Work:
     rows = {(tuple(s[: j + 1])) for s, m in zip(seqs, masks) for j in range(1, len(s)) if m[j]}
     if layout == "tree":
         nodes = {tuple(s[: j + 1]) for s in seqs for j in range(len(s))}
-        return Work(len(nodes), len(rows), sum(len(p) for p in nodes))
+        return Work(len(nodes), len(rows), sum(len(p) for p in nodes), calls=1)
     if layout == "flat":
         return Work(sum(map(len, seqs)), sum(m[j] for s, m in zip(seqs, masks) for j in range(1, len(s))),
-                    sum(len(s) * (len(s) + 1) // 2 for s in seqs))
+                    sum(len(s) * (len(s) + 1) // 2 for s in seqs), calls=1)
     distinct = sorted({tuple(s) for s in seqs})
     leaves = [s for s in distinct if not any(o != s and o[: len(s)] == s for o in distinct)]
-    return Work(sum(map(len, leaves)), len(rows), sum(len(s) * (len(s) + 1) // 2 for s in leaves))
+    return Work(sum(map(len, leaves)), len(rows), sum(len(s) * (len(s) + 1) // 2 for s in leaves), calls=1)
 
 
 @FAST
@@ -74,12 +75,12 @@ def test_run_costs_are_exact_for_every_run(case, largest_first):
     n = pack.n_sequences
     for layout in ("tree", "flat", "leaf"):
         price = {name: pack_run_costs(pack, flops, layout) for name, flops in (("t", TOKENS), ("p", PREDICTED),
-                                                                               ("q", PAIRS))}
+                                                                               ("q", PAIRS), ("c", CALLS))}
         assert price["t"].whole == price["t"].run(0, n) == pack_work(pack, layout).tokens
         for a in range(n):
             for b in range(a + 1, n + 1):
                 work = pack_work(sub_pack(pack, a, b), layout)
-                got = Work(price["t"].run(a, b), price["p"].run(a, b), price["q"].run(a, b))
+                got = Work(price["t"].run(a, b), price["p"].run(a, b), price["q"].run(a, b), price["c"].run(a, b))
                 assert got == work, (layout, a, b)
             for c in price.values():
                 stops = np.arange(a + 1, n + 1)
@@ -290,7 +291,8 @@ def recomputed_cost(pack, start: int, stop: int, flops: FlopModel, layout: str) 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(packs(max_seqs=8), min_size=1, max_size=4), st.integers(1, 6),
        st.sampled_from(["tree", "flat", "leaf"]),
-       st.sampled_from([TOKENS, PREDICTED, PAIRS, FlopModel(3, 2, 1), FlopModel.named("qwen3-0.6b")]),
+       st.sampled_from([TOKENS, PREDICTED, PAIRS, FlopModel(3, 2, 1), FlopModel(3, 2, 1, per_call=50),
+                        FlopModel.named("qwen3-0.6b")]),
        st.sampled_from([MIN_GAIN, 0.0]), st.booleans())
 def test_every_piece_costs_what_its_sub_pack_costs(cases, k, layout, flops, min_gain, largest_first):
     """The balance's predicted cost of every piece, whole or cut, is the cost of the pack the piece becomes,

@@ -11,6 +11,7 @@ never exceed the budget (a longer lane alone) and each is back-propagated before
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -372,3 +373,31 @@ def test_verify_cli_progress_and_baseline(tmp_path):
     assert r.code == 0 and r.err == "" and "OK: every mode matches dense-leaf within 1e-09 relative" in r.out
     r = cli("verify", data, "--baseline", "tree")
     assert r.code == 2 and "must be one of dense, dense-leaf, got 'tree'" in r.err
+
+
+def test_each_hopper_table_reads_its_own_gpu_row():
+    """The H200's table prices tree attention from the H200's measured row (FA4's tree kernel at 500 TFLOP/s
+    per pair against 525 for its varlen kernel), not the H100's (425): on the bundled tau-bench slice, where
+    the leaves repeat little of the tree, auto then runs the tree (measured faster on an H200), where the H100's
+    row made it pick dense-leaf on every pack."""
+    from treepack.io.ingest import read_rollouts
+    from treepack.kernels.tree_attention.backends import MEASURED
+    from treepack.pack import pack_rollouts
+    from treepack.stats import MODEL_SHAPES
+
+    h200, h100 = SPEED_TABLES["H200"], SPEED_TABLES["H100"]
+    assert h200.attention["fa4"] / h200.attention["fa4-varlen"] == pytest.approx(500 / 525)
+    assert h100.attention["fa4"] / h100.attention["fa4-varlen"] == pytest.approx(425 / 525)
+    assert MEASURED["H200"]["fa4"].tflops == 500 and "MEASURED['H200']" in h200.source
+    samples = Path(__file__).resolve().parents[1] / "treepack" / "datasets" / "samples"
+    packs = pack_rollouts(read_rollouts(samples / "tau_bench_slice.parquet"), capacity=32768)
+    leaf = make_mode("dense-leaf")
+    picks = {}
+    for name, table in (("H200", h200), ("H100", h100)):
+        picks[name] = []
+        for p in packs:
+            rows = LossRows.from_pack(p)
+            works = {"tree": tree_work(p, rows), "dense-leaf": dense_work(leaf.plan(p, rows), varlen=True)}
+            picks[name].append(choose(works, {"tree": "fa4", "dense-leaf": "fa4-varlen"},
+                                      MODEL_SHAPES["qwen3-0.6b"], table).mode)
+    assert picks == {"H200": ["tree"] * 3, "H100": ["dense-leaf"] * 3}

@@ -499,3 +499,21 @@ def test_sync_pass_reduces_every_unit_without_running_a_layer(monkeypatch):
             assert torch.equal(p.grad.full_tensor(), q.grad), name
     finally:
         dist.destroy_process_group()
+
+
+def test_measured_balance_fits_rank_times_and_trains_the_same(tmp_path):
+    """`train.balance = "measured"` on 2 ranks: from the third observed step on, every step logs the fitted
+    cost model (the same on both ranks, or the run would hang or diverge), and the losses equal the FLOP
+    balance's run (the split changes where gradients are computed, never what they sum to)."""
+    write_rollouts(tmp_path / "rollouts.jsonl")
+    for balance in ("flops", "measured"):
+        config = write_config(tmp_path, "tree", steps=6, out=balance)
+        config.write_text(config.read_text().replace('device = "cpu"', f'device = "cpu"\nbalance = "{balance}"'))
+        r = torchrun(2, "-m", "treepack", "train", str(config), cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+    rows = {b: [json.loads(line) for line in (tmp_path / b / "metrics.jsonl").open()] for b in ("flops", "measured")}
+    assert [("cost_fit_error" in m) for m in rows["measured"]] == [False] * 3 + [True] * 3
+    assert not any("cost_fit_error" in m for m in rows["flops"])
+    for m in rows["measured"][3:]:
+        assert m["cost_attention_factor"] > 0 and m["cost_call_flops"] >= 0
+    assert [m["loss"] for m in rows["measured"]] == pytest.approx([m["loss"] for m in rows["flops"]], rel=1e-9)

@@ -153,6 +153,16 @@ def test_example_config_is_the_defaults():
 # training runs
 
 
+def test_save_final_false_writes_no_checkpoint(tmp_path):
+    """A benchmark run of a large model need not write its checkpoint: the steps run, metrics are kept,
+    no checkpoint directory and no 'saved' line."""
+    r = run("train", write_config(tmp_path, steps=2, output_extra="save_final = false"))
+    assert r.code == 0, r.err
+    assert not (tmp_path / "run" / "checkpoint").exists()
+    assert not [line for line in r.out.splitlines() if line.startswith("saved ")]
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2]
+
+
 def test_three_step_run_matches_golden(tmp_path):
     cfg = write_config(tmp_path)
     r = run("train", cfg)

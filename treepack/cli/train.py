@@ -86,7 +86,7 @@ def train(
     if result.first_step > result.last_step:
         # the step the checkpoint holds, which may be past train.steps (a run resumed with fewer steps)
         console.print(f"nothing to do: {result.output_dir} already holds step {result.first_step - 1}", markup=False)
-    else:
+    elif cfg.output.save_final:
         console.print(f"saved {result.output_dir / 'checkpoint'} (step {result.last_step})", markup=False)
 
 

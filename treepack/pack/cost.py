@@ -39,25 +39,31 @@ LAYOUTS = ("tree", "flat", "leaf")
 @dataclass(frozen=True)
 class Work:
     """What one fwd+bwd pass computes: tokens through the layers, tokens whose log-prob the head
-    computes, and visible (query, key) attention pairs."""
+    computes, visible (query, key) attention pairs, and model calls (one a pack or piece of a pack)."""
 
     tokens: int = 0
     predicted: int = 0
     pairs: int = 0
+    calls: int = 0
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.tokens + other.tokens, self.predicted + other.predicted, self.pairs + other.pairs)
+        return Work(self.tokens + other.tokens, self.predicted + other.predicted, self.pairs + other.pairs,
+                    self.calls + other.calls)
 
 
 @dataclass(frozen=True)
 class FlopModel:
     """docs/design.md §9's FLOP model as integer coefficients: ``per_token x tokens + per_predicted x predicted +
-    per_pair x pairs`` (fwd+bwd: 6 x non-embedding params, 6 x d_model x vocab, 12 x layers x heads x head_dim)."""
+    per_pair x pairs`` (fwd+bwd: 6 x non-embedding params, 6 x d_model x vocab, 12 x layers x heads x head_dim),
+    plus ``per_call`` for each pack or piece the model runs: 0 in the FLOP model; a measured model
+    (`treepack.train.calibration`) prices the host and launch time of a call, and weighs pairs by what
+    attention takes per FLOP against the matmuls."""
 
     per_token: int
     per_predicted: int
     per_pair: int
     name: str = ""
+    per_call: int = 0
 
     @classmethod
     def of_shape(cls, shape: ModelShape) -> FlopModel:
@@ -71,10 +77,12 @@ class FlopModel:
         return cls.of_shape(MODEL_SHAPES[model])
 
     def cost(self, work: Work) -> int:
-        return self.per_token * work.tokens + self.per_predicted * work.predicted + self.per_pair * work.pairs
+        return (self.per_token * work.tokens + self.per_predicted * work.predicted + self.per_pair * work.pairs
+                + self.per_call * work.calls)
 
     def costs(self, tokens: np.ndarray, predicted: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-        """Vectorised `cost` (int64; the coefficients and counts of real batches stay far below 2**63)."""
+        """Vectorised `cost` without the calls (int64; the coefficients and counts of real batches stay far
+        below 2**63)."""
         return (self.per_token * np.asarray(tokens, np.int64) + self.per_predicted * np.asarray(predicted, np.int64)
                 + self.per_pair * np.asarray(pairs, np.int64))
 
@@ -129,11 +137,12 @@ def pack_work(pack: Pack, layout: str = "tree", *, _seqs: _PackSequences | None 
     if layout == "tree":
         n = int(pack.n_real)
         pairs = int((np.asarray(pack.subtree_end[:n], dtype=np.int64) - np.arange(n)).sum())
-        return Work(tokens=n, predicted=predicted, pairs=pairs)
+        return Work(tokens=n, predicted=predicted, pairs=pairs, calls=1)
     if layout == "flat":
-        return Work(tokens=int(seqs.lengths.sum()), predicted=int(seqs.rows.sum()), pairs=int(_pairs(seqs.lengths).sum()))
+        return Work(tokens=int(seqs.lengths.sum()), predicted=int(seqs.rows.sum()), pairs=int(_pairs(seqs.lengths).sum()),
+                    calls=1)
     leaf = seqs.lengths[seqs.is_leaf]
-    return Work(tokens=int(leaf.sum()), predicted=predicted, pairs=int(_pairs(leaf).sum()))
+    return Work(tokens=int(leaf.sum()), predicted=predicted, pairs=int(_pairs(leaf).sum()), calls=1)
 
 
 def _extra_rows(seq_F: np.ndarray, depth_F: np.ndarray, row_F: np.ndarray, lcp: np.ndarray, start_S: np.ndarray
@@ -247,6 +256,7 @@ def run_costs(lengths: np.ndarray, lcp: np.ndarray, rows: np.ndarray, new_rows: 
         keep = np.ones(len(lengths), bool) if is_leaf is None else np.asarray(is_leaf, bool)
         back = np.r_[0, np.where(keep[:-1], 0, lengths[:-1])] if len(lengths) else lengths  # a non-leaf predecessor
         inc = flops.costs(lengths - back, new_rows, _pairs(lengths) - _pairs(back))
+    full = full + flops.per_call  # a run's first sequence brings the run's one call
     costs = RunCosts(full=full, inc=inc, whole=0)
     if extra is not None and flops.per_predicted:
         costs.extra_seq, costs.extra_prev = (np.asarray(x, np.int64) for x in extra)

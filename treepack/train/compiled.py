@@ -6,8 +6,12 @@ time of a Qwen3-0.6B training step, three times the matmuls (benchmarks/results/
 Inductor fuses each region into a few kernels and saves fewer intermediates for backward.
 
 What is compiled: pure functions of tensors (the layer math in `model`, the loss chunks in `losses`), never
-modules, so one compilation serves every layer, and dynamic shapes (``dynamic=True``) serve every pack and
-DFS chunk length without recompiling. With the Triton tree kernel the whole layer is one function, the
+modules, so one compilation serves every layer. A function declares which arguments change length from call
+to call (`varying`: the token dimension of hidden states, RoPE tables, a DFS call's cached prefix); only those
+dimensions are compiled as symbols, so every pack and DFS chunk length runs one graph, and the weights' sizes
+(hidden, heads, FFN) stay constants the kernels are specialised for. Compiled with every dimension symbolic
+(``dynamic=True``, before), Dynamo guarded on relations between sizes (a stride equal to heads x head size)
+and recompiled on steps that met new shapes: the step lines' "slow steps after start". With the Triton tree kernel the whole layer is one function, the
 kernel an opaque custom op inside it (`model.layer_with_tree_kernel`): one compiled call per layer instead
 of two plus an eager op, which is what a DFS walk of many small model calls pays for in host time. Other
 attention backends run between two compiled regions. The eager and compiled paths run the same function: CPU and float64 (the equivalence
@@ -18,12 +22,47 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 
 import torch
 
 _compiled: dict[tuple[Callable, bool], Callable] = {}
+
+MARK_VARYING = True  # False: declared functions compile with every dimension symbolic, as before (A/B runs)
+
+
+def varying(*names: str, signature_of: Callable | None = None) -> Callable[[Callable], Callable]:
+    """Declare the arguments of a compiled function whose first dimension changes between calls (tokens,
+    rows, cached prefix); a tuple of tensors (a kernel's block schedule) changes in every dimension.
+    ``signature_of``: the function whose parameter list locates the names (for a wrapper taking ``*args``)."""
+
+    def declare(fn: Callable) -> Callable:
+        params = list(inspect.signature(signature_of or fn).parameters)
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise TypeError(f"{fn.__name__} has no argument {missing[0]!r}")
+        fn.__varying__ = tuple(params.index(n) for n in names)
+        return fn
+
+    return declare
+
+
+def _mark_varying(positions: tuple[int, ...], args: tuple) -> None:
+    """Mark the declared dimensions dynamic for this call (sizes 0 and 1 stay specialised, as Dynamo does
+    anyway; marking them would be refused)."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for i in positions:
+        if i >= len(args):
+            continue
+        group = isinstance(args[i], tuple | list)
+        for t in args[i] if group else (args[i],):
+            if isinstance(t, torch.Tensor):
+                for d in range(t.dim() if group else min(t.dim(), 1)):
+                    if t.shape[d] >= 2:
+                        maybe_mark_dynamic(t, d)
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:
@@ -51,7 +90,8 @@ def compiled(fn: Callable, dynamic: bool = True) -> Callable:
     eagerly from then on, with one warning, instead of the training run stopping: same results, slower."""
     out = _compiled.get((fn, dynamic))
     if out is None:
-        fast = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+        positions = getattr(fn, "__varying__", None) if dynamic and MARK_VARYING else None
+        fast = torch.compile(fn, dynamic=None if positions is not None else dynamic, fullgraph=True)
         broken: list[BaseException] = []
         over_limit: list[BaseException] = []
 
@@ -60,6 +100,8 @@ def compiled(fn: Callable, dynamic: bool = True) -> Callable:
             if broken:
                 return fn(*args, **kwargs)
             try:
+                if positions:
+                    _mark_varying(positions, args)
                 return fast(*args, **kwargs)
             except _recompile_limit_errors() as error:
                 # One more input variant than Dynamo keeps compiled graphs for: this call runs eagerly,

@@ -67,6 +67,9 @@ class ModelConfig:
     rope_theta: float = 1_000_000.0  # random init: RoPE base
     tie_embeddings: bool = False  # random init: output head shares the embedding matrix
     init_std: float = 0.02  # random init: std of the normal weight init
+    # random init: draw the weights on the training device in its dtype (an 8B model in seconds instead of
+    # minutes of float64 draws on one CPU thread a rank); the values then depend on the device
+    init_on_device: bool = False
 
     def resolved_source(self) -> str:
         """``treepack`` or ``hf``: ``auto`` is our decoder for random init and qwen3/qwen2/llama checkpoints
@@ -208,6 +211,10 @@ class TrainConfig:
     # pack's own size, the memory of the tree step of the same pack; e.g. "32k")
     micro_batch_tokens: str = ""
     speed_table: str = ""  # auto: JSON speed table (benchmarks/speed_table.py); "" = the built-in one for the GPU
+    # data parallel: what the split of a step's packs over the ranks balances: flops (design §9's FLOP model),
+    # measured (that model fitted to the ranks' measured times: treepack.train.calibration), auto (measured on
+    # CUDA, flops elsewhere: a CPU's times are too noisy to make splits reproducible)
+    balance: str = "auto"
     loss: LossConfig = field(default_factory=LossConfig)
     dfs: DfsConfig = field(default_factory=DfsConfig)  # [train.dfs]: mode = "dfs"
 
@@ -242,6 +249,7 @@ class TrainConfig:
         _one_of("train.dtype", self.dtype, DTYPES)
         _one_of("train.device", self.device, DEVICES)
         _one_of("train.compile", self.compile, COMPILE_MODES)
+        _one_of("train.balance", self.balance, ("auto", "flops", "measured"))
         if not 0 < self.activation_memory_budget <= 1:
             raise ConfigError(f"train.activation_memory_budget must be in (0, 1], got {self.activation_memory_budget}")
         _positive("train.logits_chunk", self.logits_chunk)
@@ -259,6 +267,7 @@ class TrainConfig:
 class OutputConfig:
     dir: str = "runs/train"  # run directory: checkpoint/, metrics.jsonl
     save_every: int = 0  # save a checkpoint every N steps (0 = only at the end)
+    save_final: bool = True  # save one at the end of the run (false: benchmarks, smoke runs of large models)
     resume: bool = True  # continue from dir/checkpoint when it exists
     metrics: str = "metrics.jsonl"  # per-step metrics (JSON lines), relative to dir (an absolute path as is); "" = none
     log_every: int = 1  # print the step line every N steps
@@ -474,6 +483,7 @@ source = "auto"             # treepack (our decoder) | hf (transformers' modules
 family = "qwen3"            # qwen3 (q/k norm) | qwen2 (qkv bias) | llama
 vocab_size = 0              # 0 = max token id of the data + 1
 compact_vocab = false       # renumber the ids present in the data 0..n-1 (tiny CPU runs; ids saved to vocab.json)
+init_on_device = false      # random init drawn on the GPU (fast for large models; values depend on the device)
 hidden_size = 64
 intermediate_size = 176
 num_layers = 2
@@ -522,6 +532,7 @@ compile = "auto"            # torch.compile norms/RoPE/SwiGLU/loss softmax: auto
 activation_memory_budget = 1.0  # compiled layers keep this share of saved activations, recompute the rest (0, 1]
 micro_batch_tokens = ""     # dense, dense-leaf, auto: most tokens per micro-batch ("" = each pack's size; "32k")
 speed_table = ""            # auto: JSON from benchmarks/speed_table.py ("" = built in for the GPU)
+balance = "auto"            # --nproc: split by flops | measured (FLOP model fitted to rank times) | auto (measured on CUDA)
 
 [train.loss]
 kind = "sft"                # sft | grpo (PPO-clip; advantages from the data, else group-normalised rewards)
@@ -541,6 +552,7 @@ cuda_graphs = false         # replay call shapes met again as CUDA graphs (needs
 [output]
 dir = "runs/train"          # checkpoint/ (safetensors) and metrics.jsonl go here
 save_every = 0              # steps between checkpoints; 0 = at the end only
+save_final = true           # a checkpoint at the end of the run (false: benchmark runs)
 resume = true               # continue from dir/checkpoint when present
 metrics = "metrics.jsonl"   # "" = no metrics file
 log_every = 1

@@ -251,3 +251,11 @@ def gather_floats(values: list[float], device: torch.device) -> np.ndarray:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return torch.stack(out).cpu().numpy()
+
+
+def broadcast_floats(values, device: torch.device, src: int = 0) -> np.ndarray:
+    """Rank ``src``'s float64 values on every rank (the values of the others are ignored)."""
+    t = torch.tensor(np.asarray(values, dtype=np.float64), dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast(t, src=src)
+    return t.cpu().numpy()

@@ -53,6 +53,8 @@ class StepStats:
         ]
         if self.mfu is not None:
             parts.append(f"mfu {100 * self.mfu:.0f}%")
+        if self.extra.get("compiles"):  # this step stopped for the compiler (`compile_count`)
+            parts.append(f"compiled {self.extra['compiles']:.0f}")
         if "anchor_share" in self.extra:  # dfs: share of no-grad re-forwards, most tokens with a live graph
             parts.append(f"anchor {100 * self.extra['anchor_share']:.0f}% | graph {human(self.extra['peak_graph_tokens'])}")
         return " | ".join(parts)

@@ -45,7 +45,7 @@ from treepack.errors import ConfigError
 from treepack.kernels.norm_rope import apply_rope, norm_rope, rms_norm
 from treepack.train.architecture import ModelArgs
 from treepack.train.attention import KV, AttentionContext, KernelSchedule
-from treepack.train.compiled import activation_memory_budget, pick, use_compiled
+from treepack.train.compiled import activation_memory_budget, pick, use_compiled, varying
 from treepack.train.compiled import compiled as compiled_fn
 from treepack.train.working_weights import embed
 
@@ -167,7 +167,9 @@ class DecoderLayer(nn.Module):
         )
         if past is not None:
             past = (past[0].to(v_TKE.dtype), past[1].to(v_TKE.dtype))
-        o_THE = attn.attend(q_THE, k_TKE, v_TKE, past)
+        # one layout for the compiled region: a backend may return [T, H, E] as a transposed [H, T, E] view,
+        # and a stride the region has not met is a recompile (the reshape inside would copy it anyway)
+        o_THE = attn.attend(q_THE, k_TKE, v_TKE, past).contiguous()
         x_TD = pick(attention_output_and_mlp, compiled)(
             x_TD, o_THE, o_w, a.o_proj.bias, self.post_attention_layernorm.weight,
             self.post_attention_layernorm.eps, gate_w, m.gate_proj.bias, up_w,
@@ -176,6 +178,7 @@ class DecoderLayer(nn.Module):
         return x_TD, (k_TKE, v_TKE)
 
 
+@varying("x_TD", "cos_TE", "sin_TE")
 def attention_inputs(x_TD: Tensor, norm_w_D: Tensor, eps: float, q_w: Tensor, q_b: Tensor | None, k_w: Tensor,
                      k_b: Tensor | None, v_w: Tensor, v_b: Tensor | None, q_norm_w: Tensor | None,
                      k_norm_w: Tensor | None, cos_TE: Tensor, sin_TE: Tensor, H: int, K: int, E: int
@@ -196,6 +199,7 @@ def attention_inputs(x_TD: Tensor, norm_w_D: Tensor, eps: float, q_w: Tensor, q_
     return q_THE.to(v_TKE.dtype), k_TKE.to(v_TKE.dtype), v_TKE
 
 
+@varying("x_TD", "o_THE")
 def attention_output_and_mlp(x_TD: Tensor, o_THE: Tensor, o_w: Tensor, o_b: Tensor | None, norm_w_D: Tensor,
                              eps: float, gate_w: Tensor, gate_b: Tensor | None, up_w: Tensor, up_b: Tensor | None,
                              down_w: Tensor, down_b: Tensor | None) -> Tensor:
@@ -214,7 +218,11 @@ def layer_with_tree_kernel(x_TD: Tensor, norm_w_D: Tensor, eps: float, q_w: Tens
                            up_b: Tensor | None, down_w: Tensor, down_b: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """A whole decoder layer around a fused tree kernel's custom op (``op``: triton | fa4), for one compiled
     graph per layer call (forward and backward) instead of two regions plus an eager op: a third of the host
-    time per layer, which is what a DFS walk of many small model calls is bound by. Same math as the split path."""
+    time per layer, which is what a DFS walk of many small model calls is bound by. Same math as the split path.
+
+    Compiled with every size and integer symbolic (not `varying`): ``config`` holds what the kernel picks per
+    pack (FA4's backward block and grid order), and as graph constants a new value recompiled the whole layer
+    graph on whichever rank met it first (an integer list: 3 graphs for 3 values against 1, on CPU)."""
     q_THE, k_TKE, v_TKE = attention_inputs(x_TD, norm_w_D, eps, q_w, q_b, k_w, k_b, v_w, v_b, q_norm_w, k_norm_w,
                                            cos_TE, sin_TE, H, K, E)
     if prefix_k is not None:

@@ -86,7 +86,7 @@ def _load_decoder(m, *, vocab_size: int, seed: int, dtype: torch.dtype, device: 
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rope_theta=m.rope_theta,
         tie_embeddings=m.tie_embeddings, init_std=m.init_std,
     )
-    return Decoder.random_init(args, seed=seed, dtype=dtype, device=device)
+    return Decoder.random_init(args, seed=seed, dtype=dtype, device=device, draw_on_device=m.init_on_device)
 
 
 register_model_source("treepack", _load_decoder)

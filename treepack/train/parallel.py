@@ -72,7 +72,7 @@ def train_distributed(cfg: RunConfig, *, packs: list[Pack] | None = None,
     group = ProcessGroup(cfg.train.device)
     try:
         result = train(cfg, packs=packs, log=log if group.rank == 0 else (lambda line: None),
-                       sync=DataParallel(group, cfg.train.mode))
+                       sync=DataParallel(group, cfg.train.mode, balance=cfg.train.balance))
     except BaseException:
         group.close(ok=False)
         raise

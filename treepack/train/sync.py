@@ -121,13 +121,14 @@ class DataParallel(SingleProcess):
 
     defer_readback = False  # a step's numbers are gathered over ranks as soon as it ends
 
-    def __init__(self, group, mode: str) -> None:
+    def __init__(self, group, mode: str, balance: str = "flops") -> None:
         super().__init__(group.device)
         self.group = group
         self.mode = mode  # the execution mode's name: its layout is what the balance costs
         self.rank, self.world_size = group.rank, group.world_size
         self.sharded = group.world_size > 1
-        self.flops = self.accumulation = None
+        self.measured = balance == "measured" or (balance == "auto" and group.device.type == "cuda")
+        self.flops = self.accumulation = self.calibration = None
 
     def prepare(self, model) -> None:
         from treepack.train.distributed import flop_model
@@ -136,6 +137,10 @@ class DataParallel(SingleProcess):
         if self.sharded:
             shard_model(model, self.group.mesh)  # float32 parameters gathered; bf16 under autocast, as one process
         self.flops = flop_model(model.args)
+        if self.measured and self.world_size > 1:
+            from treepack.train.calibration import CostCalibration
+
+            self.calibration = CostCalibration(self.flops)
         self.accumulation = Accumulation(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -153,7 +158,8 @@ class DataParallel(SingleProcess):
     def share(self, batch: list[Pack]) -> Share:
         from treepack.train.distributed import shard_batch
 
-        split = shard_batch(batch, flops=self.flops, mode=self.mode, rank=self.rank, world_size=self.world_size)
+        flops = self.calibration.model() if self.calibration is not None else self.flops
+        split = shard_batch(batch, flops=flops, mode=self.mode, rank=self.rank, world_size=self.world_size)
         return Share(packs=split.packs, rows=[LossRows.from_pack(p) for p in split.packs], totals=split.totals,
                      split=split)
 
@@ -179,25 +185,47 @@ class DataParallel(SingleProcess):
 
         loss, norm, seconds = q.read()
         share = q.share
-        ranks = gather_floats([loss, q.tokens, share.timer.seconds(), q.mem_gb], self.device)
+        ranks = gather_floats([loss, q.tokens, share.timer.seconds(), q.mem_gb, q.extra.get("compiles", 0)],
+                              self.device)
         compute = ranks[:, 2]
         cost = np.asarray(share.split.rank_cost, dtype=np.float64)
         rate = cost.sum() / compute.sum() if compute.sum() > 0 else 0.0  # the step's measured FLOP/s per rank
         predicted = cost / rate if rate else np.zeros_like(cost)
         idle = compute.max() - compute
+        flops = float(sum(self.flops.cost(w) for w in share.split.rank_work))  # model FLOPs, not the balance's cost
         world = self.world_size
         dp = {
             "world_size": world, **share.split.to_json(),
             "rank_seconds": compute.tolist(), "rank_idle_seconds": idle.tolist(),
             "rank_predicted_seconds": predicted.tolist(),
+            "rank_compiles": ranks[:, 4].astype(int).tolist(), "compiles": int(ranks[:, 4].max()),
             "imbalance_measured": float(compute.max() / compute.mean()) if compute.mean() > 0 else 1.0,
             "idle_fraction": float(idle.sum() / (world * compute.max())) if compute.max() > 0 else 0.0,
         }
+        if self.calibration is not None:
+            dp.update(self._calibrate(share, compute, compiled=bool(ranks[:, 4].max() > 0)))
         return StepStats(
             step=q.step, loss=float(ranks[:, 0].sum()), lr=q.lr, grad_norm=norm, tokens=int(ranks[:, 1].sum()),
             flat_tokens=q.flat_tokens, loss_tokens=q.loss_tokens, seconds=seconds, mem_gb=float(ranks[:, 3].max()),
-            mfu=float(cost.sum()) / seconds / (peak * world) if peak else None, extra={**q.extra, **dp},
+            mfu=flops / seconds / (peak * world) if peak else None, extra={**q.extra, **dp},
         )
+
+    def _calibrate(self, share: Share, compute: np.ndarray, *, compiled: bool) -> dict:
+        """Observe the step's rank times, refit the balance's cost model on rank 0 and give every rank that
+        fit (the next split must be the same on every rank). Returns the fit's figures for the metrics."""
+        from treepack.train.calibration import Fit
+        from treepack.train.distributed import broadcast_floats
+
+        cal = self.calibration
+        cal.observe(share.split.rank_work, compute, compiled=compiled)
+        fit = cal.refit() if self.rank == 0 else None
+        got = broadcast_floats(fit.as_array() if fit is not None else np.full(4, np.nan), self.device)
+        cal.adopt(None if np.isnan(got).any() else Fit(*got.tolist()))
+        if cal.fit is None:
+            return {}
+        model = cal.model()
+        return {"cost_attention_factor": model.per_pair / self.flops.per_pair,
+                "cost_call_flops": model.per_call, "cost_fit_error": cal.fit.rel_error}
 
     def line_extras(self, stats: StepStats) -> str:
         e = stats.extra

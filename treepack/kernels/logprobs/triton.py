@@ -34,7 +34,9 @@ def triton_supported(logits: Tensor) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    # Integer arguments that change with the batch are not specialised on (Triton compiles a variant per value
+    # that is 1 or a multiple of 16 otherwise: a kernel compile in a step that meets a new row count)
+    @triton.jit(do_not_specialize=["stride_r", "V", "span"])
     def _lse_partial_kernel(logits_ptr, stride_r, target_ptr, out1_ptr, out2_ptr, V, span,
                             SPLIT: tl.constexpr, BLOCK_V: tl.constexpr):
         """Program (row r, span k) over columns [k span, (k + 1) span): a running maximum m and sum s of
@@ -62,7 +64,7 @@ if triton is not None:
             tl.store(out1_ptr + r * SPLIT + k, m)
             tl.store(out2_ptr + r * SPLIT + k, s)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_r"])
     def _lse_combine_kernel(logits_ptr, stride_r, target_ptr, m_ptr, s_ptr, lse_ptr, logp_ptr,
                             SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
         """A row's lse from its spans' (m, s): M + log(sum s exp(m - M)); and the target's log-prob."""
@@ -76,7 +78,7 @@ if triton is not None:
         tl.store(lse_ptr + r, lse)
         tl.store(logp_ptr + r, x_t - lse)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_r", "B", "v0"])
     def _grad_logits_kernel(logits_ptr, stride_r, lse_ptr, g_ptr, target_ptr, B, v0,
                             SPAN: tl.constexpr, BLOCK: tl.constexpr):
         """Program (row r, span k), in place: x <- g (onehot(target) - exp(x - lse)) over the span's columns."""
@@ -111,7 +113,8 @@ def lse_and_logprob_triton(logits_CV: Tensor, target_C: Tensor, acc: torch.dtype
         logp_C = torch.empty(C, dtype=acc, device=logits_CV.device)
     if C == 0:
         return lse_C, logp_C
-    split = max(1, min(-(-FWD_PROGRAMS // C), -(-V // FWD_BLOCK_V)))
+    # a power of two: SPLIT is a compile-time constant, so a few kernel variants serve every row count
+    split = min(triton.next_power_of_2(-(-FWD_PROGRAMS // C)), -(-V // FWD_BLOCK_V))
     span = -(-V // split)
     if split == 1:
         _lse_partial_kernel[(C, 1)](logits_CV, logits_CV.stride(0), target_C, lse_C, logp_C, V, span,

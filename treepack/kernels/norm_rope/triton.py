@@ -75,7 +75,7 @@ if triton is not None:
         inv = tl.math.rsqrt((tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / (2 * H) + eps)[:, :, None]
         return inv, (x1 * inv).to(XT).to(tl.float32), (x2 * inv).to(XT).to(tl.float32)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one variant for every token count
     def _norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, T, eps, N: tl.constexpr,
                               NP: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, ROUND_Y: tl.constexpr):
         """out = rope(w * bf16(x / rms(x))): halves y1, y2 of the weighted row give y1 c1 - y2 s1 and
@@ -99,7 +99,7 @@ if triton is not None:
         tl.store(out_ptr + xo, (y1 * c1 - y2 * s1).to(XT), mask=ok)
         tl.store(out_ptr + xo + H, (y2 * c2 + y1 * s2).to(XT), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one variant for every token count
     def _norm_rope_bwd_kernel(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, dx_ptr, dw_ptr, T, eps, N: tl.constexpr,
                               NP: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, ROUND_Y: tl.constexpr):
         """From the output's gradient g: dy (RoPE's transpose: dy1 = g1 c1 + g2 s2, dy2 = g2 c2 - g1 s1), the

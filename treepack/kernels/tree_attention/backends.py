@@ -53,6 +53,19 @@ MEASURED: dict[str, dict[str, Rate]] = {
         "fa4-varlen": Rate("fa4-varlen", tflops=525.0, floor_ms=1.5),
         "flash-varlen": Rate("flash-varlen", tflops=285.0, floor_ms=0.5),
     },
+    # 1x H200, the same versions, every backend in one process on the first 32K pack of tau-bench, ToolBench,
+    # tau2, tau2-think and agentic-think (benchmarks/results/2026-11-28-attention-varlen-h200.md): fa4 489-536
+    # per pair on the long-context packs (368 on ToolBench's short branches), fa4-varlen 520-553 (412), triton
+    # 326-359, cuDNN SDPA 361-435 on the packs of few leaves, torch varlen 277-301; floors as on the H100.
+    # Before, the H200 used the H100's row: the tree kernel at 425 against varlen at 525, so `mode = "auto"`
+    # priced tree attention 1.24x where the H200 runs it 1.04-1.07x (tau-bench, tau2).
+    "H200": {
+        "fa4": Rate("fa4", tflops=500.0, floor_ms=1.5),
+        "triton": Rate("triton", tflops=340.0, floor_ms=1.3),
+        "sdpa": Rate("sdpa", tflops=360.0, floor_ms=0.45),
+        "fa4-varlen": Rate("fa4-varlen", tflops=525.0, floor_ms=1.5),
+        "flash-varlen": Rate("flash-varlen", tflops=285.0, floor_ms=0.5),
+    },
 }
 # fwd+bwd visible-pair FLOPs from which FA4 beats the Triton kernel: measured crossover between 4.9e11 (tree,
 # T 2048 over an 8192-key prefix: triton 1.45 ms vs fa4 1.75) and 5.4e11 (chain, same shape: fa4 1.30 vs 1.56)
@@ -92,7 +105,7 @@ def _gpu_rates(device: torch.device | None) -> dict[str, Rate]:
     for key, rates in MEASURED.items():
         if key in name:
             return rates
-    return MEASURED["H100"]  # the only measured GPU: H200 shares its compute (measured runs agree within 5%)
+    return MEASURED["H100"]  # another GPU: the H100's row
 
 
 def attention_seconds(backend: str, pairs: int, heads: int, head_dim: int, calls: int = 1,

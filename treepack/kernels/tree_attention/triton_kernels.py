@@ -95,7 +95,7 @@ def _fwd_step(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["P"])
+@triton.jit(do_not_specialize=["T", "P"])
 def fwd_kernel(
     Q, K, V, PK, PV, O, LSE, SE, KV_LIST, KV_FULL, KV_COUNT, Q_ORDER,
     scale_log2, T, P, T_BUCKET,
@@ -158,7 +158,7 @@ def fwd_kernel(
     tl.store(LSE + h * T + offs_m, m_i + tl.math.log2(l_safe), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def bwd_delta_kernel(
     O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -218,7 +218,7 @@ def _dkdv_steps(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["N_KEYS"])
+@triton.jit(do_not_specialize=["T", "N_KEYS"])
 def bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SE,
     scale, scale_log2, T, N_KEYS, T_BUCKET,
@@ -336,7 +336,7 @@ def _dq_step(
     return dq
 
 
-@triton.jit(do_not_specialize=["P"])
+@triton.jit(do_not_specialize=["T", "P"])
 def bwd_dq_kernel(
     Q, K, V, PK, PV, DO, LSE, DELTA, DQ, SE, KV_LIST, KV_FULL, KV_COUNT, Q_ORDER,
     scale, scale_log2, T, P, T_BUCKET,

@@ -118,10 +118,10 @@ class SpeedTable:
 
 
 # Built-in tables, by a substring of the device name ("cpu" for the CPU). The GPU attention rates are the
-# kernels' own measured table (`treepack.kernels.tree_attention.backends.MEASURED`: 1x H100, torch 2.11,
+# kernels' own measured table, that GPU's row (`treepack.kernels.tree_attention.backends.MEASURED`: torch 2.11,
 # triton 3.6, flash-attn-4 4.0.0b36, bf16, 16 q / 8 kv heads of 128, fwd+bwd over visible pairs of
 # treepack's 32K packs), converted from its 14 FLOP per (pair, head, dim) (backward = 2.5 x forward) to the
-# FLOP model's 12; flex from issue 17's H200 run (220 TFLOP/s x 12/14); the H200 has the H100's arithmetic.
+# FLOP model's 12; flex from issue 17's H200 run (220 TFLOP/s x 12/14).
 # The matmul rate is the bf16 8192^3 product measured on these machines (769-798 TFLOP/s). Host costs are
 # not in it (0). benchmarks/speed_table.py measures a whole table on the GPU at hand (train.speed_table).
 _TO_MODEL_FLOPS = 12.0 / 14.0
@@ -130,11 +130,11 @@ _TO_MODEL_FLOPS = 12.0 / 14.0
 def _hopper_table(name: str) -> SpeedTable:
     from treepack.kernels.tree_attention.backends import MEASURED
 
-    rates = {b: r.tflops * 1e12 * _TO_MODEL_FLOPS for b, r in MEASURED["H100"].items()}
+    rates = {b: r.tflops * 1e12 * _TO_MODEL_FLOPS for b, r in MEASURED[name.split()[0]].items()}
     return SpeedTable(name=name, matmul=780e12, attention={**rates, "flex": 220e12 * _TO_MODEL_FLOPS},
-                      source="treepack.kernels.tree_attention.backends.MEASURED (1x H100, torch 2.11, triton 3.6, "
-                             "flash-attn-4 4.0.0b36) x 12/14; flex 220 TFLOP/s (1x H200); bf16 matmul 769-798 "
-                             "TFLOP/s (8192^3, same machines); host costs not measured")
+                      source=(f"treepack.kernels.tree_attention.backends.MEASURED['{name.split()[0]}'] (torch 2.11, "
+                              "triton 3.6, flash-attn-4 4.0.0b36) x 12/14; flex 220 TFLOP/s (1x H200); bf16 matmul "
+                              "769-798 TFLOP/s (8192^3, same machines); host costs not measured"))
 
 
 SPEED_TABLES: dict[str, SpeedTable] = {

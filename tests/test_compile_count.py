@@ -1,0 +1,78 @@
+"""What a step compiled (`treepack.train.compile_count`) and the token dimensions compiled as symbols
+(`treepack.train.compiled.varying`): one graph for every token count, none for a new layout."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from treepack.train import compile_count
+from treepack.train.compiled import compiled, varying
+
+
+@varying("x_TD", "o_THE")
+def _scaled_sum(x_TD, o_THE, w_D):
+    return x_TD * w_D + o_THE.reshape(x_TD.shape[0], -1)
+
+
+def test_one_graph_serves_every_token_count():
+    fn = compiled(_scaled_sum)
+    w_D = torch.randn(8)
+    before = compile_count.compiled_so_far()
+    for T in (5, 7, 64, 3):
+        x_TD, o_THE = torch.randn(T, 8), torch.randn(T, 2, 4)
+        assert torch.equal(fn(x_TD, o_THE, w_D), _scaled_sum(x_TD, o_THE, w_D))
+    assert compile_count.compiled_so_far() - before == 1
+
+
+def _scaled_by_config(x_TD, config):
+    return x_TD * config[0] + config[1]
+
+
+def test_an_undeclared_function_keeps_integers_symbolic():
+    """A fused layer takes per-pack kernel settings as integers (`model.layer_with_tree_kernel`): a new value
+    must not recompile its graph."""
+    fn = compiled(_scaled_by_config)
+    before = compile_count.compiled_so_far()
+    for T, config in ((5, [128, 0]), (7, [128, 1]), (9, [64, 1])):
+        x_TD = torch.randn(T, 8)
+        assert torch.equal(fn(x_TD, config), _scaled_by_config(x_TD, config))
+    assert compile_count.compiled_so_far() - before == 1
+
+
+def test_a_declared_name_must_exist():
+    with pytest.raises(TypeError, match="has no argument 'y_TD'"):
+        varying("y_TD")(lambda x_TD: x_TD)
+
+
+def test_counts_kernel_variants_of_fa4_and_triton(monkeypatch):
+    interface = types.ModuleType("flash_attn.cute.interface")
+
+    def fwd():
+        pass
+
+    fwd.compile_cache = types.SimpleNamespace(cache={})
+    interface._flash_attn_fwd = fwd
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+
+    class JITFunction:  # the attributes of triton.jit's object that the count reads
+        def __init__(self):
+            self.device_caches = {0: ({}, None)}
+
+    class Autotuner:
+        def __init__(self):
+            self.cache, self.fn = {}, JITFunction()
+
+    kernels = types.ModuleType("treepack.kernels.norm_rope.triton")
+    kernels.jit, kernels.tuned = JITFunction(), Autotuner()
+    monkeypatch.setitem(sys.modules, "treepack.kernels.norm_rope.triton", kernels)
+    before = compile_count.compiled_so_far()
+    fwd.compile_cache.cache[("bf16", 128)] = object()
+    kernels.jit.device_caches[0][0]["T"] = object()
+    kernels.jit.device_caches[0][0]["T16"] = object()
+    kernels.tuned.cache[("k",)] = object()
+    assert compile_count.compiled_so_far() - before == 4
