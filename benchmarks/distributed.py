@@ -17,6 +17,7 @@ alternates the plain and torchrun runs R times (GPU clocks and caches warm alike
 Usage (treepack installed, ``pip install -e .``; world sizes default to 1 and every power of two up to
 the GPUs present):
     python benchmarks/distributed.py --modes tree --model qwen3-0.6b --out benchmarks/results/DATE-distributed.md
+    python benchmarks/distributed.py --synth tau2:256 --capacity 32K --packs-per-step 4   # synthetic tau2 trees
     python benchmarks/distributed.py --nproc 1,2 --device cpu --layers 2 --steps 4    # CPU smoke run
 """
 
@@ -84,6 +85,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=0, help="override the shape's layer count (0: keep)")
     p.add_argument("--full-vocab", action="store_true", help="the shape's vocabulary instead of compact ids")
     p.add_argument("--data", nargs="+", default=[str(SAMPLE)], help="rollout files (default: the tau-bench slice)")
+    p.add_argument("--synth", default="", metavar="KIND:TREES",
+                   help="train on treepack synth's KIND (tau2, agentic-think, ...) with TREES trees instead of --data")
     p.add_argument("--capacity", default="16k")
     p.add_argument("--packs-per-step", type=int, default=2)
     p.add_argument("--batch", choices=("per-rank", "global"), default="per-rank",
@@ -131,6 +134,16 @@ def write_config(directory: Path, args: argparse.Namespace, mode: str, world: in
     path = directory / f"{tag}.toml"
     path.write_text(text)
     return path
+
+
+def synth_file(spec: str, directory: Path) -> str:
+    """``KIND:TREES`` written by treepack synth (seed 0) into ``directory``; its path."""
+    from treepack.datasets import synth
+
+    kind, _, trees = spec.partition(":")
+    path = directory / f"synth-{kind}-{trees or 64}.parquet"
+    synth.write(kind, int(trees or 64), path, seed=0)
+    return str(path)
 
 
 def run_one(config: Path, world: int | None, timeout: int) -> list[dict]:
@@ -295,6 +308,8 @@ def main(argv: list[str]) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
+        if args.synth:
+            args.data = [synth_file(args.synth, directory)]
         for mode in args.modes.split(","):
             pooled: dict[tuple, list[dict]] = {}
             order = [x for i in range(args.repeat) for x in ([(None, i)] if not args.no_plain else []) + [(1, i)]]
