@@ -99,3 +99,13 @@ def test_a_measured_split_balances_the_times_the_flop_split_does_not():
 def test_fit_round_trips_through_an_array():
     f = Fit(1e-9, 2e-9, 3e-4, 0.01)
     assert Fit(*f.as_array().tolist()) == f
+
+
+def test_a_step_without_a_finite_time_is_not_observed():
+    cal = CostCalibration(BASE, skip=0)
+    works = [Work(1000, 0, 1000, 1), Work(2000, 0, 4000, 2)]
+    cal.observe(works, np.array([1.0, np.nan]), compiled=False)
+    cal.observe(works, np.array([np.inf, 2.0]), compiled=False)
+    assert len(cal.steps) == 0
+    cal.observe(works, np.array([1.0, 2.0]), compiled=False)
+    assert len(cal.steps) == 1

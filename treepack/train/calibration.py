@@ -84,10 +84,11 @@ class CostCalibration:
     def observe(self, rank_work: list[Work], rank_seconds: np.ndarray, *, compiled: bool) -> None:
         """One step: every rank's work and measured seconds. A step in which a rank compiled is not kept."""
         self.seen += 1
-        if self.seen <= self.skip or compiled:
+        seconds = np.asarray(rank_seconds, dtype=np.float64)
+        if self.seen <= self.skip or compiled or not np.isfinite(seconds).all():
             return
         X = np.stack([self.features(w) for w in rank_work])
-        self.steps.append((X, np.asarray(rank_seconds, dtype=np.float64)))
+        self.steps.append((X, seconds))
 
     def refit(self) -> Fit | None:
         """Fit the window (None until ``min_steps`` steps are in it, or when no positive fit exists)."""
