@@ -76,3 +76,15 @@ def test_counts_kernel_variants_of_fa4_and_triton(monkeypatch):
     kernels.jit.device_caches[0][0]["T16"] = object()
     kernels.tuned.cache[("k",)] = object()
     assert compile_count.compiled_so_far() - before == 4
+
+
+def test_the_step_line_says_what_a_step_compiled():
+    from treepack.train.metrics import StepStats
+
+    def line(extra):
+        return StepStats(step=3, loss=1.0, lr=1e-3, grad_norm=0.5, tokens=1000, flat_tokens=2000, loss_tokens=500,
+                         seconds=0.5, mem_gb=1.0, extra=extra).line()
+
+    assert line({"compiles": 0}) == ("step 00003 | loss 1.000 | tokens 1.00k | tok/s 2.00k | flat tok/s 4.00k | "
+                                     "mem 1.0 GB")
+    assert line({"compiles": 14}).endswith(" | mem 1.0 GB | compiled 14")
