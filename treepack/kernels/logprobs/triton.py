@@ -34,14 +34,17 @@ def triton_supported(logits: Tensor) -> bool:
 
 if triton is not None:
 
-    # Integer arguments that change with the batch are not specialised on (Triton compiles a variant per value
-    # that is 1 or a multiple of 16 otherwise: a kernel compile in a step that meets a new row count)
-    @triton.jit(do_not_specialize=["stride_r", "V", "span"])
-    def _lse_partial_kernel(logits_ptr, stride_r, target_ptr, out1_ptr, out2_ptr, V, span,
-                            SPLIT: tl.constexpr, BLOCK_V: tl.constexpr):
+    # Integer arguments that change with the batch (strides, sizes, the number of column spans) are runtime
+    # values Triton does not specialise on: as compile-time constants, or specialised on (1, multiples of 16),
+    # each new row count compiled kernel variants inside the step that met it (2 per new span count: the
+    # "compiled 2" / "compiled 4" of tau-bench steps, results/2026-11-28-step-compiles-h200.md)
+    @triton.jit(do_not_specialize=["stride_r", "V", "span", "split"])
+    def _lse_partial_kernel(logits_ptr, stride_r, target_ptr, out1_ptr, out2_ptr, V, span, split,
+                            WHOLE: tl.constexpr, BLOCK_V: tl.constexpr):
         """Program (row r, span k) over columns [k span, (k + 1) span): a running maximum m and sum s of
         exp(x - m), one block of columns at a time (one exp per logit; rescaling s is one exp per block).
-        SPLIT = 1: the row's lse and target log-prob into out1 / out2; else (m, s) into out1 / out2 [R, SPLIT]."""
+        WHOLE (one span a row): the row's lse and target log-prob into out1 / out2; else (m, s) into out1 /
+        out2 [R, split]."""
         r = tl.program_id(0).to(tl.int64)
         k = tl.program_id(1)
         row = logits_ptr + r * stride_r
@@ -55,25 +58,26 @@ if triton is not None:
             m_new = tl.maximum(m, tl.max(x, axis=0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
             m = m_new
-        if SPLIT == 1:
+        if WHOLE:
             lse = m + tl.log(s)
             x_t = tl.load(row + tl.load(target_ptr + r)).to(tl.float32)
             tl.store(out1_ptr + r, lse)
             tl.store(out2_ptr + r, x_t - lse)
         else:
-            tl.store(out1_ptr + r * SPLIT + k, m)
-            tl.store(out2_ptr + r * SPLIT + k, s)
+            tl.store(out1_ptr + r * split + k, m)
+            tl.store(out2_ptr + r * split + k, s)
 
-    @triton.jit(do_not_specialize=["stride_r"])
-    def _lse_combine_kernel(logits_ptr, stride_r, target_ptr, m_ptr, s_ptr, lse_ptr, logp_ptr,
-                            SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
-        """A row's lse from its spans' (m, s): M + log(sum s exp(m - M)); and the target's log-prob."""
+    @triton.jit(do_not_specialize=["stride_r", "split"])
+    def _lse_combine_kernel(logits_ptr, stride_r, target_ptr, m_ptr, s_ptr, lse_ptr, logp_ptr, split,
+                            SPLIT_P2: tl.constexpr):
+        """A row's lse from its spans' (m, s): M + log(sum s exp(m - M)); and the target's log-prob.
+        ``SPLIT_P2``: a power of two >= any split of the vocabulary (one value per vocabulary size)."""
         r = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, SPLIT_P2)
-        m = tl.load(m_ptr + r * SPLIT + k, mask=k < SPLIT, other=float("-inf"))
-        s = tl.load(s_ptr + r * SPLIT + k, mask=k < SPLIT, other=0.0)
+        m = tl.load(m_ptr + r * split + k, mask=k < split, other=float("-inf"))
+        s = tl.load(s_ptr + r * split + k, mask=k < split, other=0.0)
         top = tl.max(m, axis=0)
-        lse = top + tl.log(tl.sum(tl.where(k < SPLIT, s * tl.exp(m - top), 0.0), axis=0))
+        lse = top + tl.log(tl.sum(tl.where(k < split, s * tl.exp(m - top), 0.0), axis=0))
         x_t = tl.load(logits_ptr + r * stride_r + tl.load(target_ptr + r)).to(tl.float32)
         tl.store(lse_ptr + r, lse)
         tl.store(logp_ptr + r, x_t - lse)
@@ -113,19 +117,19 @@ def lse_and_logprob_triton(logits_CV: Tensor, target_C: Tensor, acc: torch.dtype
         logp_C = torch.empty(C, dtype=acc, device=logits_CV.device)
     if C == 0:
         return lse_C, logp_C
-    # a power of two: SPLIT is a compile-time constant, so a few kernel variants serve every row count
-    split = min(triton.next_power_of_2(-(-FWD_PROGRAMS // C)), -(-V // FWD_BLOCK_V))
+    most = -(-V // FWD_BLOCK_V)  # spans of at least one block each
+    split = max(1, min(-(-FWD_PROGRAMS // C), most))
     span = -(-V // split)
     if split == 1:
-        _lse_partial_kernel[(C, 1)](logits_CV, logits_CV.stride(0), target_C, lse_C, logp_C, V, span,
-                                    SPLIT=1, BLOCK_V=FWD_BLOCK_V, num_warps=8)
+        _lse_partial_kernel[(C, 1)](logits_CV, logits_CV.stride(0), target_C, lse_C, logp_C, V, span, 1,
+                                    WHOLE=True, BLOCK_V=FWD_BLOCK_V, num_warps=8)
         return lse_C, logp_C
     m_CK = torch.empty(C, split, dtype=acc, device=logits_CV.device)
     s_CK = torch.empty(C, split, dtype=acc, device=logits_CV.device)
-    _lse_partial_kernel[(C, split)](logits_CV, logits_CV.stride(0), target_C, m_CK, s_CK, V, span,
-                                    SPLIT=split, BLOCK_V=FWD_BLOCK_V, num_warps=8)
-    _lse_combine_kernel[(C,)](logits_CV, logits_CV.stride(0), target_C, m_CK, s_CK, lse_C, logp_C,
-                              SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), num_warps=1)
+    _lse_partial_kernel[(C, split)](logits_CV, logits_CV.stride(0), target_C, m_CK, s_CK, V, span, split,
+                                    WHOLE=False, BLOCK_V=FWD_BLOCK_V, num_warps=8)
+    _lse_combine_kernel[(C,)](logits_CV, logits_CV.stride(0), target_C, m_CK, s_CK, lse_C, logp_C, split,
+                              SPLIT_P2=triton.next_power_of_2(most), num_warps=1)
     return lse_C, logp_C
 
 
