@@ -516,4 +516,7 @@ def test_measured_balance_fits_rank_times_and_trains_the_same(tmp_path):
     assert not any("cost_fit_error" in m for m in rows["flops"])
     for m in rows["measured"][3:]:
         assert m["cost_attention_factor"] > 0 and m["cost_call_flops"] >= 0
+    for m in rows["measured"]:  # what each rank compiled, by kind (nothing: a CPU run compiles no kernels)
+        assert [m[f"rank_compiled_{k}"] for k in ("graphs", "triton", "fa4")] == [[0, 0]] * 3
+        assert m["rank_compiles"] == [0, 0] and "compiled_graphs" not in m
     assert [m["loss"] for m in rows["measured"]] == pytest.approx([m["loss"] for m in rows["flops"]], rel=1e-9)

@@ -39,7 +39,7 @@ _TRITON_MODULES = ("treepack.kernels.logprobs.triton", "treepack.kernels.norm_ro
                    "treepack.kernels.tree_attention.triton_kernels")
 
 
-def _kernel_variants() -> int:
+def _triton_kernels() -> int:
     n = 0
     for name in _TRITON_MODULES:
         module = sys.modules.get(name)
@@ -49,6 +49,11 @@ def _kernel_variants() -> int:
     tuned = sys.modules.get("treepack.kernels.tree_attention.triton")
     for fn in (getattr(tuned, "_AUTOTUNED", None) or {}).values():
         n += _triton_variants(fn)
+    return n
+
+
+def _fa4_kernels() -> int:
+    n = 0
     fa4 = sys.modules.get("flash_attn.cute.interface")
     for value in vars(fa4).values() if fa4 is not None else ():
         cache = getattr(getattr(value, "compile_cache", None), "cache", None)
@@ -56,7 +61,15 @@ def _kernel_variants() -> int:
     return n
 
 
+KINDS = ("graphs", "triton", "fa4")
+
+
+def compiled_by_kind() -> tuple[int, int, int]:
+    """(graphs, Triton kernel variants, FA4 kernels) compiled in this process until now (`KINDS`)."""
+    return _dynamo_graphs(), _triton_kernels(), _fa4_kernels()
+
+
 def compiled_so_far() -> int:
     """Graphs and kernel variants compiled in this process until now (the difference over a step is what
     that step compiled)."""
-    return _dynamo_graphs() + _kernel_variants()
+    return sum(compiled_by_kind())

@@ -43,7 +43,7 @@ from treepack.pack.layout import Pack
 from treepack.train.banner import banner, eta_line
 from treepack.train.checkpoint import has_checkpoint
 from treepack.train.collector import Pauses, freeze_warmup, thaw
-from treepack.train.compile_count import compiled_so_far
+from treepack.train.compile_count import KINDS, compiled_by_kind
 from treepack.train.config import RunConfig
 from treepack.train.data import batch_indices, compact_vocab, data_where, load_packs
 from treepack.train.losses import LossRows, Objective, group_advantages, prepare_grpo_data
@@ -335,7 +335,7 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None],
     try:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
-            compiled_before = compiled_so_far()
+            compiled_before = compiled_by_kind()
             begin = None
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -376,7 +376,9 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None],
                         extra[k] = extra.get(k, 0.0) + v / len(share.packs)
             sync.finish(share)  # the gradients of the whole batch (data parallel: one reduce-scatter)
             extra.update(work)
-            extra["compiles"] = compiled_so_far() - compiled_before  # graphs and kernels this step compiled
+            # graphs and kernels this step compiled, by kind (`compile_count.KINDS`): the step line's "compiled N"
+            kinds = {f"compiled_{k}": a - b for k, a, b in zip(KINDS, compiled_by_kind(), compiled_before)}
+            extra.update(kinds, compiles=sum(kinds.values()))
             if pauses is not None:
                 extra["gc_seconds"], extra["gc_full"] = pauses.take()
             norm = sync.grad_norm(params, cfg.train.grad_clip)

@@ -41,6 +41,7 @@ import torch
 
 from treepack.pack.layout import Pack
 from treepack.train.checkpoint import load_checkpoint, save_checkpoint
+from treepack.train.compile_count import KINDS
 from treepack.train.losses import BatchTotals, LossRows
 from treepack.train.metrics import QueuedStep, StepStats
 
@@ -185,8 +186,9 @@ class DataParallel(SingleProcess):
 
         loss, norm, seconds = q.read()
         share = q.share
-        ranks = gather_floats([loss, q.tokens, share.timer.seconds(), q.mem_gb, q.extra.get("compiles", 0)],
-                              self.device)
+        kinds = [f"compiled_{k}" for k in KINDS]
+        ranks = gather_floats([loss, q.tokens, share.timer.seconds(), q.mem_gb, q.extra.get("compiles", 0),
+                               *(q.extra.get(k, 0) for k in kinds)], self.device)
         compute = ranks[:, 2]
         cost = np.asarray(share.split.rank_cost, dtype=np.float64)
         rate = cost.sum() / compute.sum() if compute.sum() > 0 else 0.0  # the step's measured FLOP/s per rank
@@ -198,7 +200,9 @@ class DataParallel(SingleProcess):
             "world_size": world, **share.split.to_json(),
             "rank_seconds": compute.tolist(), "rank_idle_seconds": idle.tolist(),
             "rank_predicted_seconds": predicted.tolist(),
+            # what each rank compiled in the step: in all, and by kind (graphs, Triton, FA4: `compile_count.KINDS`)
             "rank_compiles": ranks[:, 4].astype(int).tolist(), "compiles": int(ranks[:, 4].max()),
+            **{f"rank_{k}": ranks[:, 5 + i].astype(int).tolist() for i, k in enumerate(kinds)},
             "imbalance_measured": float(compute.max() / compute.mean()) if compute.mean() > 0 else 1.0,
             "idle_fraction": float(idle.sum() / (world * compute.max())) if compute.max() > 0 else 0.0,
         }
@@ -207,7 +211,8 @@ class DataParallel(SingleProcess):
         return StepStats(
             step=q.step, loss=float(ranks[:, 0].sum()), lr=q.lr, grad_norm=norm, tokens=int(ranks[:, 1].sum()),
             flat_tokens=q.flat_tokens, loss_tokens=q.loss_tokens, seconds=seconds, mem_gb=float(ranks[:, 3].max()),
-            mfu=flops / seconds / (peak * world) if peak else None, extra={**q.extra, **dp},
+            mfu=flops / seconds / (peak * world) if peak else None,
+            extra={**{k: v for k, v in q.extra.items() if k not in kinds}, **dp},  # this rank's counts: in the lists
         )
 
     def _calibrate(self, share: Share, compute: np.ndarray, *, compiled: bool) -> dict:
