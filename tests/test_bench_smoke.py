@@ -10,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -144,3 +145,41 @@ def test_dfs_benchmark_cpu_smoke(tmp_path, monkeypatch):
     assert re.search(r"- dfs B=2048: queued in [\d.]+ s of [\d.]+ s; steps [\d.]+; alloc retries 0; "
                      r"Python's gc \d+ ms \(\d+ full collections\)", text)
     assert "dfs B=2048: cProfile of one step" in text and "| function | calls | own s | cumulative s |" in text
+
+
+def test_modes_benchmark_cpu_smoke(tmp_path, monkeypatch):
+    """benchmarks/modes.py in one process on a tiny file of GRPO groups: every mode's run on the same packs, the
+    per-workload ratios, and the steps table; a workload whose records exceed the capacity fails alone."""
+    rng = np.random.default_rng(0)
+    records = []
+    for group in range(4):  # 4 prompts of 40 tokens, 3 sampled answers of 10-20 tokens each
+        prompt = rng.integers(5, 60, 40).tolist()
+        for k in range(3):
+            answer = rng.integers(5, 60, int(rng.integers(10, 21))).tolist()
+            records.append({"id": f"{group}/{k}", "tree_id": str(group), "input_ids": prompt + answer,
+                            "loss_mask": [0] * 40 + [1] * len(answer), "reward": float(k)})
+    data = tmp_path / "groups.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    spec = importlib.util.spec_from_file_location("modes_bench", BENCH.parent / "modes.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    out, raw = tmp_path / "modes.md", tmp_path / "modes.json"
+    bench.main(["--device", "cpu", "--layers", "1", "--compact-vocab", "--steps", "2", "--warmup", "1",
+                "--capacity", "128", "--packs-per-step", "1", "--data", f"groups={data}", "--also", "groups:dense",
+                "--data", f"long={BENCH.parent.parent / 'treepack/datasets/samples/tau_bench_slice.parquet'}",
+                "--out", str(out), "--json-out", str(raw)])
+    runs = json.loads(raw.read_text())["runs"]
+    groups = {r["mode"]: r for r in runs if r["workload"] == "groups"}
+    assert list(groups) == ["tree", "dense-leaf", "auto", "dense"]
+    for r in groups.values():
+        assert "failed" not in r and [s["step"] for s in r["steps"]] == [1, 2]
+    # the same packs: dense forwards every sequence, dense-leaf and tree share the prompts' tokens less or not at all
+    tokens = {m: r["steps"][0]["tokens"] for m, r in groups.items()}
+    assert tokens["tree"] < tokens["dense-leaf"] <= tokens["dense"]
+    assert len({r["steps"][0]["flat_tokens"] for r in groups.values()}) == 1
+    assert all("CapacityError" in r["failed"] for r in runs if r["workload"] == "long")
+    text = out.read_text()
+    assert "| groups | tree |" in text and "| groups | dense |" in text and "| long | tree | failed: CapacityError" in text
+    ratio_row = next(line for line in text.splitlines() if line.startswith("| groups | grpo | 1 |"))
+    assert float(ratio_row.split("|")[4]) > 1  # C = flat / tree tokens

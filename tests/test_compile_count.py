@@ -88,3 +88,34 @@ def test_the_step_line_says_what_a_step_compiled():
     assert line({"compiles": 0}) == ("step 00003 | loss 1.000 | tokens 1.00k | tok/s 2.00k | flat tok/s 4.00k | "
                                      "mem 1.0 GB")
     assert line({"compiles": 14}).endswith(" | mem 1.0 GB | compiled 14")
+
+
+def test_integer_arguments_of_a_kernel_op_stay_symbolic_in_a_compiled_graph():
+    """The FA4 op takes per-pack settings (backward block rows, grid order) as ``SymInt``: inside a compiled layer
+    a new value is a new input, not a new graph. Declared ``int``, the same op compiles one graph per value (the
+    layer recompiled at the first pack of the other grid order). Shown on a CPU op registered like the kernels."""
+    from treepack.kernels.tree_attention import fa4  # noqa: F401 - defines the real op (its schema is checked)
+    from treepack.kernels.tree_attention.ops import register_kernel_ops
+
+    for op in (torch.ops.treepack.tree_attention_fa4_fwd, torch.ops.treepack.tree_attention_fa4_bwd):
+        assert "SymInt bwd_block_q, SymInt bwd_order)" in str(op.default._schema)
+
+    def fwd(q, k, v, prefix_k, prefix_v, rows, order):
+        return q * (rows + order), q.new_zeros(q.shape[1], q.shape[0])
+
+    def fake(q, k, v, prefix_k, prefix_v, rows, order):
+        return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0])
+
+    graphs = {}
+    for kind in ("int", "SymInt"):
+        op, _ = register_kernel_ops(
+            f"symint_probe_{kind.lower()}", f"{kind} rows, {kind} order", fwd=fwd, fwd_fake=fake, bwd=fwd,
+            bwd_fake=fake, backward=lambda ctx, *g: None, setup_context=lambda ctx, inputs, output: None,
+            dispatch_key="CPU")
+        fn = compiled(lambda x, config, op=op: op(x, x, x, None, None, config[0], config[1])[0] + 1)
+        before = compile_count.compiled_so_far()
+        for T, config in ((130, [128, 0]), (260, [128, 1]), (390, [64, 1]), (520, [64, 2])):
+            x = torch.randn(T, 2, 4)
+            assert torch.equal(fn(x, config), x * sum(config) + 1)
+        graphs[kind] = compile_count.compiled_so_far() - before
+    assert graphs == {"int": 4, "SymInt": 1}

@@ -135,6 +135,11 @@ def test_pick_backend_by_measured_crossover(monkeypatch, fa4_installed):
     assert backends.pick_backend(T, H, D, torch.bfloat16, cuda) == "triton"
     # fa4 runs bf16 / fp16 only: float32 stays on the Triton kernel
     assert backends.pick_backend(8192, H, D, torch.float32, cuda, pairs=big) == "triton"
+    # a whole pack of FA4_MIN_TOKENS or more (many short sequences: few pairs) goes to FA4; not with a prefix
+    many = backends.FA4_MIN_TOKENS
+    assert backends.pick_backend(many, H, D, torch.bfloat16, cuda, pairs=small) == expect_big
+    assert backends.pick_backend(many - 1, H, D, torch.bfloat16, cuda, pairs=small) == "triton"
+    assert backends.pick_backend(many, H, D, torch.bfloat16, cuda, prefix_len=1, pairs=small) == "triton"
 
 
 def test_attention_seconds_grows_with_pairs_and_calls():

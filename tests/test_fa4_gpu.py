@@ -232,3 +232,29 @@ def test_compiled_step_with_fa4_is_as_close_as_triton(mode_name):
         assert fa4_on[i] <= factor * triton_on[i] + 1e-3, f"{what}: fa4 {fa4_on[i]:.3g}, triton {triton_on[i]:.3g}"
         # the same kernel compiled inside the layer and called eagerly
         assert fa4_on[i] <= 2 * fa4_off[i] + 1e-3, f"{what}: compiled fa4 {fa4_on[i]:.3g}, eager {fa4_off[i]:.3g}"
+
+
+def test_first_backward_builds_the_other_grid_order(monkeypatch):
+    """The first backward of a kind of call compiles FA4's kernel in both grid orders `bwd_order` picks from, so a
+    later pack of the other order compiles nothing inside its step; its gradients stay exact."""
+    from treepack.kernels.tree_attention import fa4
+    from treepack.train.compile_count import compiled_by_kind
+
+    if fa4._arch_major(torch.cuda.current_device()) != 9:
+        pytest.skip("the grid order is chosen on Hopper only")
+    monkeypatch.setattr(fa4, "FA4_BWD_ORDER", "auto")
+    se = random_subtree_end(700, seed=11, branch=0.05).cuda()
+    T, H, K, D = se.numel(), 6, 2, 64  # a kind of call no other test makes: nothing compiled for it yet
+    q, k, v, _, _ = make_qkv(T, H, K, D, dtype=torch.bfloat16, seed=7, device="cuda")
+    dout = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    info = prepare(se)
+    call = lambda *t: tree_attention(*t, info, impl="fa4")
+    first = fa4.bwd_order(fa4.fa4_tail_share(info), H, q.device)
+    _grads(call, [q, k, v], dout)
+    before = compiled_by_kind()[2]
+    monkeypatch.setattr(fa4, "bwd_order", lambda *a, **kw: 1 - first)  # the next pack has the other order
+    got = _grads(call, [q, k, v], dout)
+    assert compiled_by_kind()[2] == before
+    ref = _grads(lambda *t: tree_attention_reference(*(x.float() for x in t), se, scale=D ** -0.5), [q, k, v], dout.float())
+    for name, g, r in zip(["out", "dq", "dk", "dv"], got, ref):
+        assert float((g.float() - r).abs().max()) <= 2 ** -6 * float(r.abs().max()) + 1e-3, name

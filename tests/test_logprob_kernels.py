@@ -125,3 +125,23 @@ def test_target_logprobs_with_triton_kernels_matches_the_reference(compiled, mon
         out[kernels] = (logp.detach(), gh, gw)
     for a, b in zip(out["inductor"], out["auto"]):
         assert float((a - b).abs().max()) <= 1e-2 * max(float(a.abs().max()), 1e-6)
+
+
+@cuda
+@pytest.mark.gpu
+def test_both_forward_paths_compile_at_the_first_call():
+    """The first call for a vocabulary builds the whole-row kernel and the split-row pair, whichever it needs: a
+    later chunk of few rows (split) after many (whole), or the other way round, compiles nothing in its step."""
+    from treepack.kernels.logprobs import triton as K
+    from treepack.train.compile_count import compiled_by_kind
+
+    vocab = 50_021  # a vocabulary no other test uses: nothing built for it yet
+    x = torch.randn(K.FWD_PROGRAMS + 3, vocab, device="cuda", dtype=torch.bfloat16)
+    t = torch.randint(0, vocab, (x.shape[0],), device="cuda")
+    lse_and_logprob_triton(x, t, torch.float32)  # whole rows; builds both paths
+    before = compiled_by_kind()[1]
+    for rows in (1, 7, 300):  # split rows
+        lse, _ = lse_and_logprob_triton(x[:rows], t[:rows], torch.float32)
+        lse_ref, _ = lse_and_logprob_reference(x[:rows].double(), t[:rows], torch.float64)
+        assert float((lse.double() - lse_ref).abs().max()) < 1e-4
+    assert compiled_by_kind()[1] == before

@@ -27,6 +27,7 @@ from treepack.kernels.norm_rope import (
     norm_rope_reference,
     triton_supported,
 )
+from treepack.kernels.norm_rope.reference import apply_rope
 
 
 def inputs(T, N, E, xdt, wdt, seed, device="cpu"):
@@ -52,9 +53,18 @@ def errors(got, x, w, cos, sin, g, eps=1e-6):
     def top(t):
         return float(t.abs().max()) if t.numel() else 0.0
 
-    return {name: [top(k.double() - e.double()), top(k.double() - t.double()), top(e.double() - t.double()),
-                   top(t.double())]
-            for name, k, e, t in zip(("out", "dx", "dw"), got, ref["eager"], ref["truth"])}
+    out = {name: [top(k.double() - e.double()), top(k.double() - t.double()), top(e.double() - t.double()),
+                  top(t.double())]
+           for name, k, e, t in zip(("out", "dx", "dw"), got, ref["eager"], ref["truth"])}
+    # dw_e sums one term per row and head, dz_e n_e (n the normalised x, dz RoPE's backward of g): a rounding of
+    # every n (the same direction each time, under truncation) moves dw by up to sum |dz_e n_e| times the step,
+    # however much the terms cancel in dw itself
+    xd = x.double()
+    n_hat = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    z = torch.zeros_like(n_hat, requires_grad=True)
+    (dz,) = torch.autograd.grad(apply_rope(z, cos.double(), sin.double()), z, g.double())
+    out["dw_terms"] = top((dz * n_hat).abs().sum((0, 1)))
+    return out
 
 
 SCRIPT = textwrap.dedent("""
@@ -88,8 +98,10 @@ def test_triton_kernels_match_the_reference_under_the_interpreter(batch):
         xdt, wdt = r["case"][3], r["case"][4]
         for name in ("out", "dx", "dw"):
             vs_eager, err, eager_err, scale = r[name]
-            if xdt == "bfloat16":  # truncating conversions: within a few bf16 steps of eager, no worse vs truth
-                assert err <= 2 * eager_err + 2.0**-6 * scale + 1e-6, (name, r)
+            if xdt == "bfloat16":  # truncating conversions: within a few bf16 steps of eager, no worse vs truth;
+                # dw: truncation moves every term the same way, up to one bf16 step (2^-7) of the terms' sum
+                terms = 2.0**-7 * r["dw_terms"] if name == "dw" else 0.0
+                assert err <= 2 * eager_err + 2.0**-6 * scale + terms + 1e-6, (name, r)
             elif name == "dw" and wdt != "float32":  # eager sums 16-bit products in 16 bits; the kernel in float32
                 assert err <= eager_err + 2.0**-9 * scale + 1e-6, (name, r)
             else:  # float32 and float16: eager's roundings; float32 differences inside (dx: a difference of
@@ -172,7 +184,8 @@ def test_triton_kernels_match_the_reference_on_cuda(T, N, E, xdt, wdt):
     x, w, cos, sin, g = inputs(T, N, E, xdt, wdt, T + E, device="cuda")
     got = (norm_rope_fwd_triton(x, w, cos, sin, 1e-6), *norm_rope_bwd_triton(g, x, w, cos, sin, 1e-6))
     errs = errors(got, x, w, cos, sin, g)
-    for name, (vs_eager, err, eager_err, scale) in errs.items():
+    for name in ("out", "dx", "dw"):
+        vs_eager, err, eager_err, scale = errs[name]
         if name == "dw" and wdt != "float32":
             assert err <= eager_err + 2.0**-9 * scale, (name, errs)
         elif xdt == "float32":

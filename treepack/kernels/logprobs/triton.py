@@ -117,6 +117,7 @@ def lse_and_logprob_triton(logits_CV: Tensor, target_C: Tensor, acc: torch.dtype
         logp_C = torch.empty(C, dtype=acc, device=logits_CV.device)
     if C == 0:
         return lse_C, logp_C
+    _build_both_paths(logits_CV, target_C, acc)
     most = -(-V // FWD_BLOCK_V)  # spans of at least one block each
     split = max(1, min(-(-FWD_PROGRAMS // C), most))
     span = -(-V // split)
@@ -131,6 +132,32 @@ def lse_and_logprob_triton(logits_CV: Tensor, target_C: Tensor, acc: torch.dtype
     _lse_combine_kernel[(C,)](logits_CV, logits_CV.stride(0), target_C, m_CK, s_CK, lse_C, logp_C, split,
                               SPLIT_P2=triton.next_power_of_2(most), num_warps=1)
     return lse_C, logp_C
+
+
+_BUILT: set[tuple] = set()  # (vocabulary, logits dtype, device) whose forward kernels are built
+
+
+def _build_both_paths(logits_CV: Tensor, target_C: Tensor, acc: torch.dtype) -> None:
+    """At the first call for a vocabulary size, dtype and device, run both forward paths (whole rows, and split
+    rows + combine) on its first row into scratch: all three kernels compile in the run's first step, not inside
+    the later step whose last chunk first has few rows (2 kernels at once: the "compiled 2" steps of
+    results/2026-11-28-step-compiles-h200.md had that signature)."""
+    key = (logits_CV.shape[1], logits_CV.dtype, logits_CV.device)
+    if key in _BUILT:
+        return
+    _BUILT.add(key)
+    V, row, target = logits_CV.shape[1], logits_CV[:1], target_C[:1]
+    most = -(-V // FWD_BLOCK_V)
+    # separate allocations: Triton specialises on pointers' 16-byte alignment, as the real calls' buffers have it
+    scratch = [torch.empty(max(most, 1), dtype=acc, device=logits_CV.device) for _ in range(4)]
+    _lse_partial_kernel[(1, 1)](row, row.stride(0), target, scratch[0], scratch[1], V, V, 1,
+                                WHOLE=True, BLOCK_V=FWD_BLOCK_V, num_warps=8)
+    if most > 1:
+        span = -(-V // most)
+        _lse_partial_kernel[(1, most)](row, row.stride(0), target, scratch[0], scratch[1], V, span, most,
+                                       WHOLE=False, BLOCK_V=FWD_BLOCK_V, num_warps=8)
+        _lse_combine_kernel[(1,)](row, row.stride(0), target, scratch[0], scratch[1], scratch[2], scratch[3], most,
+                                  SPLIT_P2=triton.next_power_of_2(most), num_warps=1)
 
 
 def grad_logits_triton_(logits_RB: Tensor, lse_R: Tensor, g_R: Tensor, target_R: Tensor, v0: int) -> None:

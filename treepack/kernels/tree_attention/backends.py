@@ -13,7 +13,8 @@ regimes show in them:
 
 `pick_backend` therefore runs FA4 (when it is installed and supports the GPU, dtype and head dim) for calls
 of at least `FA4_MIN_FLOPS` visible-pair FLOPs (fwd+bwd = 14 · pairs · D · Hq; the measured crossover lies
-between 4.9e11 and 5.4e11), else the Triton kernel, else the reference. `attention_seconds` turns the same
+between 4.9e11 and 5.4e11) and for whole packs of at least `FA4_MIN_TOKENS` tokens, else the Triton kernel,
+else the reference. `attention_seconds` turns the same
 table into a time estimate (per-call floor + FLOPs / rate) for choosing between training modes
 (``mode = "auto"``): the dense baseline's per-sequence SDPA (cuDNN) has its own row.
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FA4_MIN_FLOPS", "MEASURED", "Rate", "attention_seconds", "interpreting", "pick_backend",
+__all__ = ["FA4_MIN_FLOPS", "FA4_MIN_TOKENS", "MEASURED", "Rate", "attention_seconds", "interpreting", "pick_backend",
            "triton_importable", "triton_supports", "visible_pair_flops"]
 
 
@@ -70,6 +71,13 @@ MEASURED: dict[str, dict[str, Rate]] = {
 # fwd+bwd visible-pair FLOPs from which FA4 beats the Triton kernel: measured crossover between 4.9e11 (tree,
 # T 2048 over an 8192-key prefix: triton 1.45 ms vs fa4 1.75) and 5.4e11 (chain, same shape: fa4 1.30 vs 1.56)
 FA4_MIN_FLOPS = 6e11
+# ... and a whole pack of at least this many tokens (no cached prefix) goes to FA4 whatever its pair count: a pack
+# of many short sequences has few pairs but T / 128 query blocks, where the Triton kernel's backward is slow. On
+# the first 32K pack of GSM8K (5.6e6 pairs, 1.6e11 FLOPs) FA4 took 2.04 ms against the Triton kernel's 4.2, on
+# hh-rlhf's 2.06 against 4.1 (1x H200, benchmarks/results/2026-11-28-modes-h200.md); in a GSM8K tree step the
+# Triton kernel took 359 of its 1,010 ms of GPU time. (A random tree of T 32K, every token branching, was the one
+# shape where FA4 ran 5% slower: 3.00 against 2.86 ms, 1x H100.)
+FA4_MIN_TOKENS = 16384
 TRITON_HEAD_DIMS = (32, 64, 128)
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -129,8 +137,10 @@ def pick_backend(num_tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
         return "reference"
     if pairs is None:
         pairs = num_tokens * (num_tokens + 1) // 2 + prefix_len * num_tokens
-    if (dtype in FA4_DTYPES and head_dim in FA4_HEAD_DIMS and fa4_supported_device(device)
-            and visible_pair_flops(pairs, heads, head_dim) >= FA4_MIN_FLOPS and fa4_importable()):
+    large = (visible_pair_flops(pairs, heads, head_dim) >= FA4_MIN_FLOPS
+             or (prefix_len == 0 and num_tokens >= FA4_MIN_TOKENS))
+    if (dtype in FA4_DTYPES and head_dim in FA4_HEAD_DIMS and fa4_supported_device(device) and large
+            and fa4_importable()):
         return "fa4"
     if dtype in TRITON_DTYPES and head_dim in TRITON_HEAD_DIMS and triton_importable():
         return "triton"

@@ -439,6 +439,26 @@ def _fwd_fake(q, k, v, prefix_k, prefix_v, key_end, fcnt, fidx, ffull_cnt, ffull
     return torch.empty_like(q), q.new_empty(H, T, dtype=torch.float32)
 
 
+_ORDERS_BUILT: set[tuple] = set()  # backward kernels whose every auto grid order is compiled
+
+
+def _build_other_orders(order: str, key: tuple, run_other) -> None:
+    """At the first backward of a kind of call (scale, block, dtype, heads, head dim, prefix or not), also run it
+    in the other grid order `bwd_order` may pick per pack, into scratch, so FA4 compiles both kernels in that
+    step. Without it the first pack of the other order compiled FA4's backward inside a later step (5-8 s), and
+    under data parallelism on whichever rank met it first while the others waited (tau2, step 2 of a 1-GPU
+    run: 3.8 s, against 0.99 s with both built: results/2026-11-28-modes-h200.md). Only where the order is chosen
+    per pack (Hopper, `FA4_BWD_ORDER` auto); never while a CUDA graph is being captured."""
+    if FA4_BWD_ORDER != "auto" or key in _ORDERS_BUILT or _arch_major(key[-1].index) != 9:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return
+    _ORDERS_BUILT.add(key)
+    for other in FA4_BWD_ORDERS[:2]:  # the orders `bwd_order` chooses from (heads-4 only when set)
+        if other != order:
+            run_other(other)
+
+
 def _bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | None, prefix_v: Tensor | None,
          out: Tensor, lse: Tensor, key_end: Tensor, fcnt: Tensor, fidx: Tensor, ffull_cnt: Tensor,
          ffull_idx: Tensor, bcnt: Tensor, bidx: Tensor, bfull_cnt: Tensor, bfull_idx: Tensor, scale: float,
@@ -453,13 +473,19 @@ def _bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | N
     if order == "heads-4" and q.shape[1] % 4:
         order = "heads-fast"  # groups of 4 need a multiple of 4 heads
 
-    def run():
+    def run_in(grid_order: str, dq4: Tensor, dk4: Tensor, dv4: Tensor) -> None:
         fa_bwd = _fa4()[1]
         _, bwd = _sparse((fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt, bfull_idx), bwd_block_q)
-        with _bwd_grid_order(order):
+        with _bwd_grid_order(grid_order):
             fa_bwd(q4, k4, v4, out4, do4, lse3, softmax_scale=scale, causal=False,
-                   mask_mod=_tree_mask_mod("" if order == "fa4" else order),
+                   mask_mod=_tree_mask_mod("" if grid_order == "fa4" else grid_order),
                    aux_tensors=[key_end], block_sparse_tensors=bwd, dq=dq4, dk=dk4, dv=dv4)
+
+    _build_other_orders(order, (scale, bwd_block_q, q.dtype, q.shape[1], k.shape[1], q.shape[2], prefix_k is not None,
+                                q.device), lambda other: run_in(other, *(torch.empty_like(t) for t in (dq4, dk4, dv4))))
+
+    def run():
+        run_in(order, dq4, dk4, dv4)
 
     _REPLAY_BWD(("bwd", scale, bwd_block_q, order),
                 (q4, k4, v4, out4, do4, lse3, dq4, dk4, dv4, key_end, bcnt, bidx, bfull_cnt, bfull_idx), run,
@@ -502,7 +528,10 @@ def _backward(ctx, grad_out, grad_lse):
 tree_attention_fa4_fwd, tree_attention_fa4_bwd = register_kernel_ops(
     "tree_attention_fa4",
     "Tensor key_end, Tensor fcnt, Tensor fidx, Tensor ffull_cnt, Tensor ffull_idx, Tensor bcnt, Tensor bidx, "
-    "Tensor bfull_cnt, Tensor bfull_idx, float scale, int bwd_block_q, int bwd_order",
+    # SymInt, not int: an int argument makes Dynamo guard on its value, so a compiled layer recompiled for each
+    # new backward grid order (0 / 1, chosen per pack; on an H200 tau2's step 2 took 8.8 s with that recompile and
+    # FA4's compile of the other order, 3.8 s with FA4's alone: results/2026-11-28-modes-h200.md)
+    "Tensor bfull_cnt, Tensor bfull_idx, float scale, SymInt bwd_block_q, SymInt bwd_order",
     fwd=_fwd, fwd_fake=_fwd_fake, bwd=_bwd, bwd_fake=_bwd_fake, backward=_backward, setup_context=_setup_context,
     dispatch_key="CUDA")
 

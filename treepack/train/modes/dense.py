@@ -39,6 +39,7 @@ from treepack.train.attention import AttentionContext
 from treepack.train.data import DensePlan, plan_dense
 from treepack.train.losses import target_logprobs
 from treepack.train.modes.base import Mode, ModeResult, row_dtype
+from treepack.train.transfer import to_device
 from treepack.train.working_weights import head_copy
 
 DENSE_MODES = ("dense", "dense-leaf")
@@ -80,13 +81,14 @@ class DenseMode(Mode):
             hidden_b = start_Q[plan.lane_R[rows_b] - lo] + plan.pos_R[rows_b] - 1
             read_U, first_U, inverse_b = np.unique(hidden_b, return_index=True, return_inverse=True)
             attn = AttentionContext.causal(length_Q.tolist(), self.attention, device=dev)
-            hidden_ND = model(torch.as_tensor(ids_T[index_F[flat_N]], device=dev), torch.as_tensor(pos_N, device=dev),
-                              attn).hidden_TD
-            logp_U = target_logprobs(hidden_ND[torch.as_tensor(read_U, device=dev)], model.head_weight,
-                                     torch.as_tensor(target_R[rows_b[first_U]], device=dev), self.chunk_rows,
+            # every host array goes up through `to_device` (pinned, queued): a pageable copy would wait for the
+            # GPU to drain, and a step of many short sequences would idle the GPU between micro-batches
+            hidden_ND = model(to_device(ids_T[index_F[flat_N]], dev), to_device(pos_N, dev), attn).hidden_TD
+            logp_U = target_logprobs(hidden_ND[to_device(read_U, dev)], model.head_weight,
+                                     to_device(target_R[rows_b[first_U]], dev), self.chunk_rows,
                                      compiled=compiled, working=head_copy(model))
-            rows_b_t = torch.as_tensor(rows_b, device=dev)
-            logp_b = logp_U[torch.as_tensor(inverse_b.reshape(-1), device=dev)]
+            rows_b_t = to_device(rows_b, dev)
+            logp_b = logp_U[to_device(inverse_b.reshape(-1), dev)]
             loss_b = objective.loss(logp_b, **{k: v[rows_b_t] for k, v in tensors.items()})
             loss_b.backward()
             loss += loss_b.detach()
