@@ -253,6 +253,60 @@ def test_auto_mode_runs_the_choice_and_says_why(model):
                 speed_table=SpeedTable(name="test", matmul=1e9, attention={"reference": 1e8, "sdpa": 2e8}))
 
 
+def test_auto_builds_every_planned_path_at_its_first_pack_and_drops_that_pass(model):
+    """When its plan holds both modes, auto runs the run's first pack the other way too, so both paths compile in step
+    1; that pass leaves nothing behind: the step's losses and gradients are those of auto without it, bit for bit."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, VOCAB, 60).tolist()
+    packs = [make_pack([[1, 2, 3, 4, 5, 6], [1, 2, 3]], 1),
+             make_pack([prompt + [int(a), int(b)] for a, b in rng.integers(0, VOCAB, (6, 2))], 1)]
+    rows = [LossRows.from_pack(p) for p in packs]
+    objective, totals = Objective("grpo", "token"), BatchTotals.of(rows)
+    table = SpeedTable(name="test", matmul=1e9, attention={"reference": 1e8, "sdpa": 2e8})
+
+    class Counted:  # a candidate mode that counts its calls
+        def __init__(self, inner, name, calls):
+            self.inner, self.name, self.calls = inner, name, calls
+
+        def __getattr__(self, attr):
+            return getattr(self.inner, attr)
+
+        def __call__(self, *args):
+            self.calls[self.name] += 1
+            return self.inner(*args)
+
+    def counted(mode):
+        calls = {"tree": 0, "dense-leaf": 0}
+        mode.tree, mode.leaf = Counted(mode.tree, "tree", calls), Counted(mode.leaf, "dense-leaf", calls)
+        return calls
+
+    def step(mode):
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for p, r in zip(packs, rows):
+            out = mode(model, p, r, objective, totals)
+            if not out.backward_done:
+                out.loss.backward()
+            losses.append(float(out.loss))
+        return losses, [p.grad.clone() for p in model.parameters()]
+
+    plain, ahead = make_mode("auto", speed_table=table), make_mode("auto", speed_table=table)
+    lines = ahead.describe(model, packs, rows)
+    assert ahead.planned == {"tree", "dense-leaf"} and "both paths compile before training" in lines[-1]
+    calls = counted(ahead)
+    for _ in range(2):
+        (loss_p, grad_p), (loss_a, grad_a) = step(plain), step(ahead)
+        assert loss_a == loss_p and all(torch.equal(a, b) for a, b in zip(grad_a, grad_p))
+    # step 1: the chain pack ran as dense-leaf, and once as tree ahead of the group pack; step 2: one each
+    assert calls == {"tree": 3, "dense-leaf": 2}
+    late = make_mode("auto", speed_table=table)
+    late.describe(model, packs, rows)
+    calls = counted(late)
+    step(plain)  # leaves gradients: a pack that is not the step's first must not run another pass
+    late(model, packs[1], rows[1], objective, totals)
+    assert calls == {"tree": 1, "dense-leaf": 0}
+
+
 def test_speed_table_json(tmp_path):
     t = SPEED_TABLES["H200"]
     path = tmp_path / "t.json"

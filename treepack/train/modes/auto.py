@@ -260,6 +260,8 @@ class AutoMode(Mode):
         super().__init__(tree.attention, chunk_rows=tree.chunk_rows)
         self.tree, self.leaf, self.table = tree, leaf, table
         self.counts: Counter = Counter()  # packs run by each candidate so far
+        self.planned: set[str] = set()  # the candidates `describe` found the run's packs need
+        self._built: set[str] = set()  # the candidates whose path has run in this process (its graphs compiled)
 
     def _table(self, device: torch.device) -> SpeedTable:
         return self.table or default_table(device)
@@ -282,6 +284,7 @@ class AutoMode(Mode):
 
     def __call__(self, model, pack, rows, objective, totals) -> ModeResult:
         choice = self.choose(model, pack, rows)
+        self._build_other_paths(choice.mode, model, pack, rows, objective, totals)
         self.counts[choice.mode] += 1
         out = (self.tree if choice.mode == "tree" else self.leaf)(model, pack, rows, objective, totals)
         work = choice.work[choice.mode]
@@ -292,9 +295,34 @@ class AutoMode(Mode):
         out.metrics["dense_leaf_share"] = float(choice.mode == "dense-leaf")
         return out
 
+    def _build_other_paths(self, mode: str, model, pack, rows, objective, totals) -> None:
+        """Before the run's first pack, run it once more as each other candidate the run's plan holds, and drop that
+        pass's gradients: every path the run takes compiles in step 1. Otherwise the first pack of the other mode
+        compiled its graphs inside a later step (tau-bench: step 5, 4.4 s against 1.1 s a step; tau2: step 2;
+        results/2026-11-28-modes-h200.md), and under data parallelism on one rank while the others waited.
+
+        Only where that pass leaves no trace: no gradient accumulated yet (the first pack of a step), one process
+        (a sharded model's extra backward would be a collective the other ranks do not make)."""
+        self._built.add(mode)
+        todo = [m for m in CANDIDATES if m in self.planned and m not in self._built]
+        if not todo:
+            return
+        params = list(model.parameters())
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if any(p.grad is not None for p in params) or (distributed and torch.distributed.get_world_size() > 1):
+            return
+        for other in todo:
+            self._built.add(other)
+            out = (self.tree if other == "tree" else self.leaf)(model, pack, rows, objective, totals)
+            if not out.backward_done:
+                out.loss.backward()
+        for p in params:
+            p.grad = None
+
     def describe(self, model, packs, rows, dtype: torch.dtype | None = None) -> list[str]:
         """What auto will run on these packs and why (printed once at the start of training)."""
         choices = [self.choose(model, p, r, dtype) for p, r in zip(packs, rows)]
+        self.planned = {c.mode for c in choices}
         table = self._table(model.device)
         by_mode = Counter(c.mode for c in choices)
         total = {m: sum(c.seconds[m] for c in choices) for m in CANDIDATES}
@@ -308,4 +336,7 @@ class AutoMode(Mode):
             if mine:
                 typical = sorted(mine, key=lambda c: c.seconds["tree"] / max(c.seconds["dense-leaf"], 1e-12))[len(mine) // 2]
                 lines.append(f"  {typical.reason()}" + (f" (median of {len(mine)})" if len(mine) > 1 else ""))
+        if len(self.planned) > 1:
+            lines.append("  step 1 also runs its first pack the other way (its gradients dropped), so that both paths "
+                         "compile before training")
         return lines
