@@ -41,6 +41,7 @@ bench-tokenize: install
 	$(PY) benchmarks/chat_tokenize.py
 
 # Needs a CUDA machine: attention kernel and training-step benchmarks.
+ROLLOUTS ?= ../shared/data/rollouts
 bench-gpu: install
 	$(PY) benchmarks/attention.py --out benchmarks/results/$$(date +%F)-attention.md
 	for w in tau2 tau2-think agentic-think tau-bench; do \
@@ -51,6 +52,10 @@ bench-gpu: install
 	$(PY) benchmarks/attention_bwd.py --out benchmarks/results/$$(date +%F)-attention-bwd.md
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/dfs.py --out benchmarks/results/$$(date +%F)-dfs.md
+	$(PY) benchmarks/modes.py --data tau-bench=$(ROLLOUTS)/tau_bench_grok3_retail.parquet --synth tau2=tau2:16 \
+		--data toolbench=$(ROLLOUTS)/toolbench_dfs.parquet --data gsm8k=$(ROLLOUTS)/gsm8k_model_solutions.parquet \
+		--data hh-rlhf=$(ROLLOUTS)/hh_rlhf_harmless_test.parquet --kernels --steps 12 \
+		--out benchmarks/results/$$(date +%F)-modes.md
 
 lint: install
 	$(VENV)/bin/ruff check .
