@@ -225,7 +225,8 @@ def run(args: argparse.Namespace, name: str, data: Path, mode: str, directory: P
     out = directory / f"{name}-{mode}"
     cfg = parse_config(config_text(args, data, mode, out, packs))
     lines: list[str] = []
-    profiler = StepProfiler(args.warmup + 2) if f"{name}:{mode}" in args.profile else None
+    wanted = f"{name}:{mode}" in args.profile and torch.cuda.is_available() and args.device != "cpu"
+    profiler = StepProfiler(args.warmup + 2) if wanted else None  # GPU kernel times: CUDA only
 
     def log(line: str) -> None:
         lines.append(line)

@@ -11,12 +11,12 @@ regimes show in them:
   on treepack's packs and 490-610 on long chains, against 320-385 for the FA2-style Triton kernel, so FA4
   wins by 1.2-1.6x.
 
-`pick_backend` therefore runs FA4 (when it is installed and supports the GPU, dtype and head dim) for calls
-of at least `FA4_MIN_FLOPS` visible-pair FLOPs (fwd+bwd = 14 · pairs · D · Hq; the measured crossover lies
+`pick_backend` therefore runs FA4 (when it is installed and supports the GPU, dtype and head dim) for calls of
+at least `FA4_MIN_FLOPS` visible-pair FLOPs (fwd+bwd = 14 · pairs · D · Hq; the measured crossover lies
 between 4.9e11 and 5.4e11) and for whole packs of at least `FA4_MIN_TOKENS` tokens, else the Triton kernel,
-else the reference. `attention_seconds` turns the same
-table into a time estimate (per-call floor + FLOPs / rate) for choosing between training modes
-(``mode = "auto"``): the dense baseline's per-sequence SDPA (cuDNN) has its own row.
+else the reference. `attention_seconds` turns the same table into a time estimate (per-call floor + FLOPs /
+rate) for choosing between training modes (``mode = "auto"``): the dense baseline's per-sequence SDPA (cuDNN)
+has its own row.
 
 Shape suffixes: T call tokens, P cached-prefix tokens.
 """

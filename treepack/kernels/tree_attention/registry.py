@@ -17,11 +17,11 @@ A backend serves one *family* of masks per registration:
   ``AttentionContext.causal`` builds the chains mask and the call runs as a tree call).
 
 ``auto``: for ``tree`` the measured table of `backends.pick_backend` (fa4 for calls of at least
-``FA4_MIN_FLOPS`` and whole packs of at least ``FA4_MIN_TOKENS``, else triton, on CUDA), then the call's ``fallback`` (reference; ``treepack.hf`` asks for
-flex, which takes any head dim), and reference off CUDA; a call with a sliding window or a soft-cap takes
-flex in 16-bit on CUDA and the reference elsewhere. For ``causal``: the first ``auto`` candidate by rank
-whose `supports` accepts the call; per-sequence SDPA (rank 0) accepts every call, so a CPU run is bit for
-bit what it always was.
+``FA4_MIN_FLOPS`` and whole packs of at least ``FA4_MIN_TOKENS``, else triton, on CUDA), then the call's
+``fallback`` (reference; ``treepack.hf`` asks for flex, which takes any head dim), and reference off CUDA; a
+call with a sliding window or a soft-cap takes flex in 16-bit on CUDA and the reference elsewhere. For
+``causal``: the first ``auto`` candidate by rank whose `supports` accepts the call; per-sequence SDPA (rank 0)
+accepts every call, so a CPU run is bit for bit what it always was.
 
 Adding a backend is one module (its run function, and a cheap ``supports(call) -> reason | None`` that
 imports nothing heavy) plus one `register_backend` line: the built-in lines are at the end of this file,

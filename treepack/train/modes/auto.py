@@ -261,7 +261,7 @@ class AutoMode(Mode):
         self.tree, self.leaf, self.table = tree, leaf, table
         self.counts: Counter = Counter()  # packs run by each candidate so far
         self.planned: set[str] = set()  # the candidates `describe` found the run's packs need
-        self._built: set[str] = set()  # the candidates whose path has run in this process (its graphs compiled)
+        self._first_pack_done = False  # `_build_other_paths` acts at the first pack only
 
     def _table(self, device: torch.device) -> SpeedTable:
         return self.table or default_table(device)
@@ -296,15 +296,17 @@ class AutoMode(Mode):
         return out
 
     def _build_other_paths(self, mode: str, model, pack, rows, objective, totals) -> None:
-        """Before the run's first pack, run it once more as each other candidate the run's plan holds, and drop that
+        """At the run's first pack, run it once more as each other candidate the run's plan holds, and drop that
         pass's gradients: every path the run takes compiles in step 1. Otherwise the first pack of the other mode
         compiled its graphs inside a later step (tau-bench: step 5, 4.4 s against 1.1 s a step; tau2: step 2;
         results/2026-11-28-modes-h200.md), and under data parallelism on one rank while the others waited.
 
         Only where that pass leaves no trace: no gradient accumulated yet (the first pack of a step), one process
         (a sharded model's extra backward would be a collective the other ranks do not make)."""
-        self._built.add(mode)
-        todo = [m for m in CANDIDATES if m in self.planned and m not in self._built]
+        if self._first_pack_done:
+            return
+        self._first_pack_done = True
+        todo = [m for m in CANDIDATES if m in self.planned and m != mode]
         if not todo:
             return
         params = list(model.parameters())
@@ -312,7 +314,6 @@ class AutoMode(Mode):
         if any(p.grad is not None for p in params) or (distributed and torch.distributed.get_world_size() > 1):
             return
         for other in todo:
-            self._built.add(other)
             out = (self.tree if other == "tree" else self.leaf)(model, pack, rows, objective, totals)
             if not out.backward_done:
                 out.loss.backward()
