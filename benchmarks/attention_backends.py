@@ -165,6 +165,19 @@ def run_pack(name: str, se_np: np.ndarray, heads: int, kv_heads: int, dim: int, 
                 else:
                     fn = lambda q_, k_, v_: tree_attention(q_, k_, v_, info, impl="auto")
                 ins, d = inputs, dout
+            elif runner == "tree/paths-kernel":
+                # FA4's varlen kernel alone on tree/paths' problem: the gathered keys and values are the inputs,
+                # so the gather and the scatter-add of their gradients are left out (what tree/paths pays beyond)
+                from treepack.kernels.varlen.fast import fa4_varlen
+                from treepack.kernels.varlen.paths import DevicePaths, plan_paths
+
+                plan = plan_paths(se_np)
+                dp = DevicePaths.of(plan, dev)
+                gathered = [inputs[0].detach().clone().requires_grad_()] + [
+                    t.detach().index_select(0, dp.key_index_N).requires_grad_() for t in inputs[1:]]
+                fn = lambda q_, k_, v_, dp=dp: fa4_varlen(q_, k_, v_, dp.cu_q_S1, dp.cu_k_S1, dp.plan.max_q,
+                                                          dp.plan.max_k, dim ** -0.5)
+                ins, d = gathered, dout
             elif runner == "dense/fa4-varlen":  # FA4's varlen kernel over the pack's leaf sequences, one call
                 from treepack.kernels.varlen import CausalBatch, causal_varlen_attention
 
@@ -182,12 +195,12 @@ def run_pack(name: str, se_np: np.ndarray, heads: int, kv_heads: int, dim: int, 
                 backend = {"dense/sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "dense/sdpa-flash": SDPBackend.FLASH_ATTENTION}[runner]
                 fn, ins, d = sdpa_per_sequence(bounds, backend, heads, kv_heads), dense_in, dense_dout
             out = fn(*ins).detach().float()
-            on_tree = runner in tree or runner in ("tree/routed", "tree/paths")
+            on_tree = runner in tree or runner in ("tree/routed", "tree/paths", "tree/paths-kernel")
             expect = ref.float() if on_tree else ref.float()[flat]
             row["err"][runner] = ((out - expect).norm() / expect.norm()).item()
             row["ms"][runner] = bench_ms(fwd_bwd(fn, ins, d), **rep)
-            if on_tree:
-                row["fwd_ms"][runner] = bench_ms(lambda fn=fn: fn(*inputs), **rep)
+            with torch.no_grad():
+                row["fwd_ms"][runner] = bench_ms(lambda fn=fn, ins=ins: fn(*ins), **rep)
         except Exception as e:  # noqa: BLE001 - report the runner's failure and go on
             row["failed"][runner] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()

@@ -79,6 +79,7 @@ save_final = false
 
 # GPU kernels by kind, first match wins (names as torch.profiler reports them)
 KERNEL_KINDS = (
+    ("norm + rope", ("norm_rope",)),  # before attention: its kernels end in _fwd_kernel / _bwd_kernel too
     ("attention", ("flash", "fmha", "attn", "tree_attention", "_fwd_kernel", "_bwd_kernel", "cutlass_kernel")),
     ("log-probs", ("logprob", "lse", "_head_")),
     ("matmul", ("gemm", "nvjet", "xmma", "sm90_", "cublas", "cutlass")),

@@ -119,3 +119,41 @@ def test_integer_arguments_of_a_kernel_op_stay_symbolic_in_a_compiled_graph():
             assert torch.equal(fn(x, config), x * sum(config) + 1)
         graphs[kind] = compile_count.compiled_so_far() - before
     assert graphs == {"int": 4, "SymInt": 1}
+
+
+def test_the_compile_options_drop_the_norm_fusion_size_guard():
+    """Where this torch has the option, every compiled region takes Inductor's non-strict mix-order reduction
+    (`compiled.inductor_options`): the norm-backward fusion no longer depends on the token count."""
+    import torch._inductor.config as inductor_config
+
+    from treepack.train.compiled import inductor_options
+
+    has = hasattr(getattr(inductor_config, "triton", None), "mix_order_reduction_non_strict_mode")
+    assert inductor_options() == ({"triton.mix_order_reduction_non_strict_mode": True} if has else {})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor's Triton backend needs CUDA")
+def test_a_region_compiles_once_across_the_norm_fusion_threshold():
+    """The post-attention region (RMSNorm + SwiGLU, forward and backward) on 8,192 tokens, then 3,000, then
+    6,000: one graph. Before the non-strict option, the first call's ``T >= 5120`` guard (Inductor's
+    mix-order reduction threshold at 1,024 columns) made the 3,000-token call compile a second graph."""
+    from treepack.train.model import attention_output_and_mlp
+
+    torch.manual_seed(0)
+    dev, D, F_ = "cuda", 1024, 3072
+    o_w, norm_w, gate_w, up_w, down_w = ((torch.randn(*s, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
+                                         for s in ((D, 2048), (D,), (F_, D), (F_, D), (D, F_)))
+    fn = compiled(attention_output_and_mlp)
+    before = compile_count.compiled_so_far()
+    for T in (8192, 3000, 6000):
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        o = torch.randn(T, 16, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        args = (x, o, o_w, None, norm_w, 1e-6, gate_w, None, up_w, None, down_w, None)
+        out = fn(*args)
+        grads = torch.autograd.grad(out.float().sum(), (x, o, norm_w))
+        ref = attention_output_and_mlp(*args)
+        ref_grads = torch.autograd.grad(ref.float().sum(), (x, o, norm_w))
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, atol=5e-2 * r.abs().max().item(), rtol=5e-2)
+    assert compile_count.compiled_so_far() - before == 1

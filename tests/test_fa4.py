@@ -219,6 +219,9 @@ def test_tail_share_is_cached_on_the_pack():
     ("TREEPACK_FA4_MASK", " Per-Key ", "MASK_PER_KEY=True", None),
     ("TREEPACK_FA4_MASK", "", "MASK_PER_KEY=True", None),
     ("TREEPACK_FA4_MASK", "per-pair", "MASK_PER_KEY=True", "TREEPACK_FA4_MASK='per-pair' is not per-key or per-score"),
+    ("TREEPACK_FA4_FWD_ORDER", " LPT ", "FA4_FWD_ORDER=lpt", None),
+    ("TREEPACK_FA4_FWD_ORDER", "", "FA4_FWD_ORDER=fa4", None),
+    ("TREEPACK_FA4_FWD_ORDER", "backwards", "FA4_FWD_ORDER=fa4", "TREEPACK_FA4_FWD_ORDER='backwards' is not lpt or fa4"),
 ])
 def test_fa4_settings_from_the_environment(variable, value, expect, warning):
     """The run-wide FA4 settings read at import; an unknown value warns once and keeps the default."""
@@ -258,3 +261,74 @@ def test_tail_share_counts_a_prefix_and_its_hidden_rows(T, P, hidden, seed):
     assert fa4.tail_share(se.numpy(), P, prefix_visible=visible if P else None) == pytest.approx(expect, rel=1e-6)
     assert fa4.fa4_tail_share(_with_host(se), P, prefix_visible=visible if P else None) == pytest.approx(expect,
                                                                                                        rel=1e-6)
+
+
+def _fake_fa4_schedulers(monkeypatch, *, lpt_field: bool = True):
+    """``flash_attn.cute``'s tile_scheduler and flash_fwd_sm90 modules, as far as `fa4_order` reads them."""
+    import dataclasses
+    import sys
+    import types
+
+    schedulers = types.ModuleType("flash_attn.cute.tile_scheduler")
+
+    @dataclasses.dataclass
+    class TileSchedulerArguments:
+        num_block: int
+        lpt: bool = False
+
+    if not lpt_field:
+        TileSchedulerArguments = dataclasses.make_dataclass("TileSchedulerArguments", [("num_block", int)])
+
+    class SingleTileScheduler:
+        pass
+
+    class SingleTileLPTScheduler:
+        @staticmethod
+        def to_underlying_arguments(args, **kwargs):
+            return ("lpt params", args, kwargs)
+
+    schedulers.TileSchedulerArguments = TileSchedulerArguments
+    schedulers.SingleTileScheduler, schedulers.SingleTileLPTScheduler = SingleTileScheduler, SingleTileLPTScheduler
+    forward = types.ModuleType("flash_attn.cute.flash_fwd_sm90")
+    forward.SingleTileScheduler = SingleTileScheduler
+    package = types.ModuleType("flash_attn.cute")
+    package.tile_scheduler, package.flash_fwd_sm90 = schedulers, forward
+    for name, module in (("flash_attn", types.ModuleType("flash_attn")), ("flash_attn.cute", package),
+                         ("flash_attn.cute.tile_scheduler", schedulers), ("flash_attn.cute.flash_fwd_sm90", forward)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return schedulers, forward
+
+
+@pytest.fixture
+def fresh_fa4_order():
+    from treepack.kernels.tree_attention import fa4_order
+
+    fa4_order.longest_first_unavailable.cache_clear()
+    fa4_order._longest_first.cache_clear()
+    yield fa4_order
+    fa4_order.longest_first_unavailable.cache_clear()
+    fa4_order._longest_first.cache_clear()
+
+
+def test_the_tree_forward_is_built_longest_first_and_nothing_else_is(monkeypatch, fresh_fa4_order):
+    """Inside `fa4_forward_order("lpt")` FA4's sm90 forward takes the LPT scheduler with ``lpt`` forced on;
+    outside it, and with ``"fa4"``, its own plain scheduler."""
+    schedulers, forward = _fake_fa4_schedulers(monkeypatch)
+    plain = forward.SingleTileScheduler
+    assert fresh_fa4_order.longest_first_unavailable() == ""
+    with fresh_fa4_order.fa4_forward_order("lpt"):
+        chosen = forward.SingleTileScheduler
+        assert issubclass(chosen, schedulers.SingleTileLPTScheduler)
+        tag, args, kwargs = chosen.to_underlying_arguments(schedulers.TileSchedulerArguments(7), loc=None)
+        assert tag == "lpt params" and args.lpt is True and args.num_block == 7 and kwargs == {"loc": None}
+    assert forward.SingleTileScheduler is plain
+    with fresh_fa4_order.fa4_forward_order("fa4"):
+        assert forward.SingleTileScheduler is plain
+
+
+def test_a_flash_attn_without_the_lpt_field_keeps_its_order(monkeypatch, fresh_fa4_order):
+    _, forward = _fake_fa4_schedulers(monkeypatch, lpt_field=False)
+    plain = forward.SingleTileScheduler
+    assert "no lpt field" in fresh_fa4_order.longest_first_unavailable()
+    with fresh_fa4_order.fa4_forward_order("lpt"):
+        assert forward.SingleTileScheduler is plain

@@ -142,6 +142,29 @@ def test_leaf_paths_compute_the_tree_mask_exactly(end_T):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@settings(max_examples=200, deadline=None)
+@given(preorder_trees(max_tokens=40))
+def test_the_path_gather_sums_every_copy_of_a_key(end_T):
+    """The keys' gather (`paths._GatherPaths`): each token's own copy once, the extra copies after, and the
+    backward equal to ``index_select``'s in float64."""
+    from treepack.kernels.varlen.paths import DevicePaths, _GatherPaths, plan_paths
+
+    plan = plan_paths(end_T)
+    T, N = len(end_T), plan.key_index_N.shape[0]
+    assert plan.key_index_N[plan.own_T].tolist() == list(range(T))
+    assert sorted(plan.own_T.tolist() + plan.extra_X.tolist()) == list(range(N))
+    paths = DevicePaths.of(plan, "cpu")
+    g = torch.Generator().manual_seed(T)
+    k, v = (torch.randn(T, 2, 3, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    dk, dv = (torch.randn(N, 2, 3, dtype=torch.float64, generator=g) for _ in range(2))
+    k_N, v_N = _GatherPaths.apply(k, v, paths)
+    assert torch.equal(k_N, k[paths.key_index_N]) and torch.equal(v_N, v[paths.key_index_N])
+    got = torch.autograd.grad((k_N, v_N), (k, v), (dk, dv))
+    want = torch.autograd.grad((k.index_select(0, paths.key_index_N), v.index_select(0, paths.key_index_N)), (k, v), (dk, dv))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_paths_pay_on_chains_not_on_short_branches():
     from treepack.kernels.varlen.paths import paths_pay, plan_paths
 

@@ -78,6 +78,26 @@ def _recompile_limit_errors() -> tuple[type[BaseException], ...]:
     return (exc.FailOnRecompileLimitHit,) if hasattr(exc, "FailOnRecompileLimitHit") else ()
 
 
+@functools.cache
+def inductor_options() -> dict[str, object]:
+    """Inductor settings for every compiled region.
+
+    ``triton.mix_order_reduction_non_strict_mode``: Inductor fuses a norm's backward (per-row reduction for the
+    input's gradient, per-column one for the weight's) into one kernel only from 5 x 2^20 elements and twice as
+    many rows as columns, and it decides that on the token count at compile time as a guard: for Qwen3-0.6B's
+    1024 columns, ``T >= 5120``. A later call on fewer tokens (a dense micro-batch, the last pack, a DFS chunk)
+    failed the guard and compiled the region again mid-run (tau-bench dense-leaf step 5, 2 graphs,
+    results/2026-11-28-modes-h200.md). The non-strict mode skips those two size checks, so the fusion never
+    depends on the token count: no mode compiled after step 1 on five workloads (results/2026-11-29-modes-h200.md).
+    Absent from a torch without the option."""
+    import torch._inductor.config as inductor_config
+
+    triton = getattr(inductor_config, "triton", None)
+    if triton is not None and hasattr(triton, "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    return {}
+
+
 def compiled(fn: Callable, dynamic: bool = True) -> Callable:
     """The compiled twin of ``fn`` (built once per ``dynamic``, shared by every caller).
 
@@ -91,7 +111,8 @@ def compiled(fn: Callable, dynamic: bool = True) -> Callable:
     out = _compiled.get((fn, dynamic))
     if out is None:
         positions = getattr(fn, "__varying__", None) if dynamic and MARK_VARYING else None
-        fast = torch.compile(fn, dynamic=None if positions is not None else dynamic, fullgraph=True)
+        fast = torch.compile(fn, dynamic=None if positions is not None else dynamic, fullgraph=True,
+                             options=dict(inductor_options()) or None)
         broken: list[BaseException] = []
         over_limit: list[BaseException] = []
 

@@ -56,6 +56,7 @@ from torch import Tensor
 
 from .blocks import TreeMaskInfo
 from .fa4_mask import KEY_INTERVAL_ATTR, patch_fa4_mask
+from .fa4_order import FA4_FWD_ORDER, fa4_forward_order, longest_first_unavailable
 from .fa4_replay import LaunchReplay, ReplayStats
 from .ops import register_kernel_ops
 
@@ -95,7 +96,12 @@ def _fa4():
     if MASK_PER_KEY and (reason := patch_fa4_mask()):
         warnings.warn(f"the tree mask runs per score in FA4 (same results, slower): {reason}", RuntimeWarning,
                       stacklevel=2)
-    return _flash_attn_fwd, _flash_attn_bwd, BlockSparseTensorsTorch, _tree_mask_mod("")
+    if FA4_FWD_ORDER == "lpt" and (reason := longest_first_unavailable()):
+        warnings.warn(f"FA4's forward runs tree packs in its own order (same results, slower): {reason}",
+                      RuntimeWarning, stacklevel=2)
+    # the forward's order is mixed into the mask's hash: FA4's compile caches do not key on the scheduler
+    return _flash_attn_fwd, _flash_attn_bwd, BlockSparseTensorsTorch, _tree_mask_mod(
+        "fwd-lpt" if FA4_FWD_ORDER == "lpt" and not longest_first_unavailable() else "")
 
 
 @functools.cache
@@ -425,8 +431,9 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor | None, prefix_v: Ten
     def run():
         fa_fwd, _, _, mask_mod = _fa4()
         fwd, _ = _sparse((fcnt, fidx, ffull_cnt, ffull_idx, bcnt, bidx, bfull_cnt, bfull_idx), bwd_block_q)
-        fa_fwd(q4, k4, v4, softmax_scale=scale, causal=False, pack_gqa=False, mask_mod=mask_mod,
-               block_sparse_tensors=fwd, return_lse=True, aux_tensors=[key_end], out=out4, lse=lse3)
+        with fa4_forward_order(FA4_FWD_ORDER):
+            fa_fwd(q4, k4, v4, softmax_scale=scale, causal=False, pack_gqa=False, mask_mod=mask_mod,
+                   block_sparse_tensors=fwd, return_lse=True, aux_tensors=[key_end], out=out4, lse=lse3)
 
     _REPLAY_FWD(("fwd", scale), (q4, k4, v4, out4, lse3, key_end, fcnt, fidx, ffull_cnt, ffull_idx), run,
                 outputs=(out4, lse3))

@@ -7,17 +7,20 @@ leaf's whole path, gathered into a key array (``key_index``): the varlen kernel 
 and causality aligned at the bottom right computes exactly the tree mask ``k <= q < subtree_end[k]``, pair
 for pair, with every tile dense except the diagonal and the segments' ragged ends. No query is computed
 twice and the output needs no reordering; the price is the gathered keys and values (the leaf paths' tokens,
-N_leaf >= T, in each layer's forward, and a scatter-add of their gradients in backward) and tiles of 128
+N_leaf >= T, in each layer's forward, and the sum of their gradients in backward) and tiles of 128
 query rows that a short segment fills only in part. `padded_pairs` counts that waste, so a caller can weigh
 it against the tree kernel (`paths_pay`).
 
 Measured on one H200 against FA4's tree kernel (benchmarks/results/2026-11-28-attention-paths-h200.md, first
 32K pack of each source, fwd+bwd): the forward is 4-12% faster (tau-bench 1.27 vs 1.39 ms, ToolBench 0.90 vs
-1.02), but the backward's scatter of the gathered keys' gradients and FA4's varlen backward over
-``seqlen_q < seqlen_k`` make fwd+bwd no faster on chain-like packs (tau-bench 5.24 vs 5.20 ms, tau2 4.31 vs
-4.27) and 1.3-1.5x slower on branchy or short ones. So training does not route packs here; the
-module stays as a tested, measured kernel (`benchmarks/attention_backends.py --runners tree/paths`) for
-forward-only scoring, where it is faster.
+1.02), but the backward's sum of the gathered keys' gradients and FA4's varlen backward over
+``seqlen_q < seqlen_k`` made fwd+bwd no faster on chain-like packs and 1.3-1.5x slower on branchy or short
+ones. Summing each key's copies as its own copy plus the extra ones (`_GatherPaths`, 0.07 instead of 0.27 ms
+a tensor on tau-bench) brought it level with the tree kernel on tau-bench (5.96 vs 5.93 ms) and ahead on
+tau2 (4.11 vs 4.19), still 1.05-1.55x slower on GSM8K, hh-rlhf and ToolBench
+(benchmarks/results/2026-11-29-modes-h200.md). So training does not route packs here; the module stays as a
+tested, measured kernel (`benchmarks/attention_backends.py --runners tree/paths`) for forward-only scoring,
+where it is faster.
 
 Legend: T pack tokens (queries), N gathered keys (sum of the leaf paths' lengths), S leaves (segments).
 """
@@ -42,6 +45,8 @@ class PathPlan:
     cu_k_S1: np.ndarray  # int32 [S + 1]
     key_index_N: np.ndarray  # int64 [N]: the pack token of each gathered key
     pairs: int  # visible pairs: sum over segments of the causal pairs of q rows over k keys (= the tree's)
+    own_T: np.ndarray  # int64 [T]: each token's own copy among the gathered keys (where it is also a query)
+    extra_X: np.ndarray  # int64 [X = N - T]: the other copies (ancestors re-read by a later leaf)
 
     @property
     def num_segments(self) -> int:
@@ -95,7 +100,12 @@ def plan_paths(subtree_end_T: np.ndarray | Tensor) -> PathPlan:
     q_S = np.diff(cu_q).astype(np.int64)
     pairs = int((q_S * (k_lengths - q_S) + q_S * (q_S + 1) // 2).sum())
     key_index = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return PathPlan(cu_q, cu_k, key_index, pairs)
+    # token t of segment s is its path's key cu_k[s+1] - (cu_q[s+1] - t): the segment's keys end with its queries
+    seg_T = np.repeat(np.arange(leaves.shape[0]), q_S)
+    own = cu_k[1:].astype(np.int64)[seg_T] - cu_q[1:].astype(np.int64)[seg_T] + np.arange(T, dtype=np.int64)
+    is_own = np.zeros(key_index.shape[0], dtype=bool)
+    is_own[own] = True
+    return PathPlan(cu_q, cu_k, key_index, pairs, own, np.flatnonzero(~is_own))
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,9 @@ class DevicePaths:
     cu_q_S1: Tensor
     cu_k_S1: Tensor
     key_index_N: Tensor
+    own_T: Tensor
+    extra_X: Tensor
+    extra_token_X: Tensor  # the pack token of each extra copy
 
     @classmethod
     def of(cls, plan: PathPlan, device: torch.device | str) -> DevicePaths:
@@ -113,7 +126,33 @@ class DevicePaths:
             t = torch.from_numpy(np.ascontiguousarray(a))
             return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
-        return cls(plan, up(plan.cu_q_S1), up(plan.cu_k_S1), up(plan.key_index_N))
+        return cls(plan, up(plan.cu_q_S1), up(plan.cu_k_S1), up(plan.key_index_N), up(plan.own_T), up(plan.extra_X),
+                   up(plan.key_index_N[plan.extra_X]))
+
+
+class _GatherPaths(torch.autograd.Function):
+    """Keys and values gathered along the leaf paths; backward sums each token's copies.
+
+    Why not ``index_select``'s own backward: it is one atomic ``index_add_`` over all N copies, 0.27 ms per
+    tensor on a tau-bench pack (1x H200). Every token has exactly one copy where it is a query too; gathering
+    those (a plain copy) and adding only the X extra copies takes 0.07 ms
+    (benchmarks/results/2026-11-29-modes-h200.md, `benchmarks/paths_scatter.py`)."""
+
+    @staticmethod
+    def forward(ctx, k_TKE: Tensor, v_TKE: Tensor, paths: DevicePaths) -> tuple[Tensor, Tensor]:
+        ctx.paths = paths
+        return k_TKE.index_select(0, paths.key_index_N), v_TKE.index_select(0, paths.key_index_N)
+
+    @staticmethod
+    def backward(ctx, dk_NKE: Tensor, dv_NKE: Tensor):
+        p = ctx.paths
+
+        def fold(d_NKE: Tensor | None) -> Tensor | None:
+            if d_NKE is None:
+                return None
+            return d_NKE.index_select(0, p.own_T).index_add_(0, p.extra_token_X, d_NKE.index_select(0, p.extra_X))
+
+        return fold(dk_NKE), fold(dv_NKE), None
 
 
 def paths_attention_reference(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, paths: DevicePaths) -> Tensor:
@@ -139,7 +178,7 @@ def paths_attention_reference(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, paths
 def paths_attention(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, paths: DevicePaths, *, impl: str = "fa4") -> Tensor:
     """Tree attention over the pack's leaf segments (module doc) with the varlen kernel ``impl`` (fa4 | flash
     | sdpa: the reference). Differentiable in q, k and v (the gather's backward sums each key's gradient over
-    the segments that read it)."""
+    the segments that read it: `_GatherPaths`)."""
     import math
 
     from treepack.kernels.varlen.fast import fa4_varlen, torch_varlen
@@ -147,8 +186,7 @@ def paths_attention(q_THE: Tensor, k_TKE: Tensor, v_TKE: Tensor, paths: DevicePa
     if impl == "sdpa":
         return paths_attention_reference(q_THE, k_TKE, v_TKE, paths)
     plan = paths.plan
-    k_NKE = k_TKE.index_select(0, paths.key_index_N)
-    v_NKE = v_TKE.index_select(0, paths.key_index_N)
+    k_NKE, v_NKE = _GatherPaths.apply(k_TKE, v_TKE, paths)
     run = fa4_varlen if impl == "fa4" else torch_varlen
     return run(q_THE.contiguous(), k_NKE, v_NKE, paths.cu_q_S1, paths.cu_k_S1, plan.max_q, plan.max_k,
                1.0 / math.sqrt(q_THE.shape[-1]))
