@@ -20,13 +20,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import naive_stats
 
+from treepack.cli.synth import Kind
 from treepack.datasets import SAMPLES_DIR, LogNormal, generate, iter_batches, preset
 from treepack.datasets.synth import KINDS, trees_per_chunk
 from treepack.datasets.vocab import QWEN3_VOCAB, Vocab
 from treepack.errors import ConfigError
 
 IM_START, ASSISTANT = 151644, 77091
-SMALL = {"tau2": 2, "grpo-math": 4, "agentic-think": 2, "low-overlap": 64}  # trees: 0.06-0.7M tokens each kind
+SMALL = {"tau2": 2, "grpo-math": 4, "agentic-think": 2, "low-overlap": 64, "swe": 1}  # trees of each kind
+# ... at settings that keep them at 0.06-0.7M tokens: a swe tree holds ~6M at its 64K context, ~0.5M at 12K.
+SHORT: dict[str, dict[str, object]] = {"swe": {"max_len": 12288}}
 
 
 def tables_equal(a: pa.Table, b: pa.Table) -> bool:
@@ -59,9 +62,10 @@ def is_prefix(a: list[int], b: list[int]) -> bool:
 # --- determinism --------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_same_seed_same_table_other_seed_differs(kind):
-    a = generate(kind, SMALL[kind], seed=7)
-    assert tables_equal(a, generate(kind, SMALL[kind], seed=7))
-    b = generate(kind, SMALL[kind], seed=8)
+    short = SHORT.get(kind, {})
+    a = generate(kind, SMALL[kind], seed=7, **short)
+    assert tables_equal(a, generate(kind, SMALL[kind], seed=7, **short))
+    b = generate(kind, SMALL[kind], seed=8, **short)
     assert a.column("input_ids").to_pylist() != b.column("input_ids").to_pylist()
 
 
@@ -82,8 +86,8 @@ def test_output_does_not_depend_on_chunking_or_flags():
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("vocab", [QWEN3_VOCAB, 1000])
 def test_schema_and_values(kind, vocab):
-    n = SMALL[kind]
-    t = generate(kind, n, seed=1, vocab=vocab, logprobs=True, steps=2)
+    n, short = SMALL[kind], SHORT.get(kind, {})
+    t = generate(kind, n, seed=1, vocab=vocab, logprobs=True, steps=2, **short)
     names = ["id", "tree_id", "step", "input_ids", "loss_mask", "reward", "advantage", "logprobs"]
     assert t.schema.names == names
     assert t.schema.field("input_ids").type == pa.list_(pa.int32())
@@ -94,7 +98,7 @@ def test_schema_and_values(kind, vocab):
         assert np.array_equal(t.column(col).combine_chunks().value_lengths().to_numpy(), lens)
     ids = t.column("input_ids").combine_chunks().values.to_numpy()
     assert ids.min() >= 0 and ids.max() < vocab
-    assert lens.max() <= preset(kind).max_len
+    assert lens.max() <= preset(kind, **short).max_len
     assert len(set(t.column("id").to_pylist())) == t.num_rows
 
     v = Vocab(vocab)
@@ -172,6 +176,51 @@ def test_agentic_think_forks_at_several_depths():
     assert len(fork_turns) >= 2, fork_turns
     st = naive_stats(t.column("input_ids").to_pylist())
     assert 4.0 <= st["compression"] <= 8.0, st
+
+
+def test_swe_chains_of_tool_calls():
+    """swe at its own settings: 8 samples per issue behind one shared 2.5k-token system prompt, each a single
+    chain of ~30 turns (every record extends the sample's previous one), a plain first turn and tool calls
+    from the third turn on, contexts past 32K but never past 64K."""
+    v = Vocab()
+    t = generate("swe", 4, seed=0)
+    col = t.column("input_ids").combine_chunks()
+    ids, off = col.values.to_numpy(), col.offsets.to_numpy()
+    mask = t.column("loss_mask").combine_chunks().values.to_numpy()
+    key = np.array([tuple(map(int, rid.split("/"))) for rid in t.column("id").to_pylist()])  # tree, sample, k
+    assert [int(np.unique(key[key[:, 0] == tree, 1]).size) for tree in range(4)] == [8] * 4
+
+    system = ids[: int(np.flatnonzero(ids[: off[1]] == v.id("im_end"))[0]) + 2]
+    assert 2000 <= system.size <= 3000 and list(system[[0, -1]]) == [v.id("im_start"), v.id("nl")]
+    lead: dict[int, np.ndarray] = {}
+    for r, (tree, _, _) in enumerate(key):  # every record: the system prompt, then its tree's issue
+        rec = ids[off[r] : off[r + 1]]
+        assert np.array_equal(rec[: system.size], system)
+        if tree not in lead:
+            end = system.size + int(np.flatnonzero(rec[system.size :] == v.id("im_end"))[0]) + 2
+            lead[tree] = rec[:end]
+        assert np.array_equal(rec[: lead[tree].size], lead[tree])
+    assert len({a.tobytes() for a in lead.values()}) == 4  # four issues, one per tree
+
+    turns, calls, late = [], 0, 0
+    for r in range(len(key)):
+        rec = ids[off[r] : off[r + 1]]
+        called = v.id("tool_call") in rec[mask[off[r] : off[r + 1]] == 1]
+        last = r + 1 == len(key) or tuple(key[r + 1, :2]) != tuple(key[r, :2])
+        if key[r, 2] == 0:
+            assert not called  # the first turn is plain text: tool_ramp
+        else:  # a chain: the previous turn's record is a strict prefix of this one
+            assert tuple(key[r - 1]) == (key[r, 0], key[r, 1], key[r, 2] - 1)
+            prev = ids[off[r - 1] : off[r]]
+            assert prev.size < rec.size and np.array_equal(rec[: prev.size], prev)
+        if key[r, 2] >= 2 and not last:
+            late += 1
+            calls += called
+        if last:
+            turns.append(key[r, 2] + 1)
+    assert calls >= 0.9 * late, (calls, late)
+    assert len(turns) == 32 and 20 <= np.median(turns) <= 40 and max(turns) >= 40, sorted(turns)
+    assert 32768 < np.diff(off).max() <= 65536
 
 
 @pytest.mark.parametrize("kind, lo, hi", [("grpo-math", 1.0, 1.3), ("low-overlap", 1.0, 1.5)])
@@ -284,6 +333,10 @@ def test_cli_stdout_and_quiet():
     assert r.code == 0 and r.err == ""
     want = generate("low-overlap", 3).to_pylist()
     assert [json.loads(line) for line in r.out.splitlines()] == want
+
+
+def test_cli_offers_every_kind():
+    assert [kind.value for kind in Kind] == list(KINDS)
 
 
 def test_cli_same_seed_same_bytes(tmp_path):

@@ -31,6 +31,7 @@ class Kind(str, Enum):
     grpo_math = "grpo-math"
     agentic_think = "agentic-think"
     low_overlap = "low-overlap"
+    swe = "swe"
 
 
 def _settings(pairs: list[str]) -> dict[str, str]:

@@ -3,6 +3,7 @@
 Data-parallel: ``treepack train --nproc N config.toml`` launches torchrun on this host (N ranks), the same as
 ``torchrun --nproc-per-node N -m treepack train config.toml``; under torchrun the command runs
 `treepack.train.parallel.train_distributed` and only rank 0 prints (errors too: the ranks fail alike).
+``--simulate-ranks N`` rehearses N ranks in this one process (`treepack.train.sync.SimulatedRanks`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def train(
     output_dir: str | None = typer.Option(None, "--output-dir", "-o", help="Override output.dir."),
     nproc: int | None = typer.Option(None, "--nproc", help="Data-parallel on N processes of this host: launches "
                                      "torchrun (one GPU each on CUDA, gloo on CPU)."),
+    simulate_ranks: int | None = typer.Option(None, "--simulate-ranks", help="Rehearse N data-parallel ranks in "
+                                              "this one process: their split, each rank's share timed, the plain "
+                                              "run's gradients."),
 ) -> None:
     """Train on packed shards or rollouts: tree attention, DFS, or the dense baseline."""
     from treepack.train.config import EXAMPLE_CONFIGS, load_config
@@ -45,6 +49,12 @@ def train(
         raise typer.BadParameter("missing CONFIG (or use --example-config)", param_hint="CONFIG")
     if nproc is not None and nproc < 1:
         raise typer.BadParameter(f"must be >= 1, got {nproc}", param_hint="--nproc")
+    if simulate_ranks is not None and simulate_ranks < 1:
+        raise typer.BadParameter(f"must be >= 1, got {simulate_ranks}", param_hint="--simulate-ranks")
+    distributed = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ  # started by torchrun
+    if simulate_ranks is not None and (nproc is not None or distributed):
+        raise typer.BadParameter("runs in one process: not with --nproc or under torchrun",
+                                 param_hint="--simulate-ranks")
     cfg = load_config(config)
     if steps is not None:
         if steps < 1:
@@ -55,13 +65,21 @@ def train(
             raise typer.BadParameter("must not be empty", param_hint="--output-dir")
         cfg.output.dir = output_dir
 
-    distributed = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ  # started by torchrun
     if nproc is not None and not distributed:
         from treepack.train.parallel import launch  # imports torch
 
         raise typer.Exit(launch(nproc, _forwarded_args()))
     if distributed:
         from treepack.train.parallel import train_distributed as run_training
+    elif simulate_ranks is not None:
+        from functools import partial
+
+        from treepack.train.loop import resolve_precision
+        from treepack.train.loop import train as plain
+        from treepack.train.sync import SimulatedRanks
+
+        device = resolve_precision(cfg.train.device, cfg.train.dtype)[0]
+        run_training = partial(plain, sync=SimulatedRanks(device, cfg.train.mode, simulate_ranks, cfg.train.balance))
     else:
         from treepack.train.loop import train as run_training  # imports torch
     rank = os.environ.get("RANK", "0")

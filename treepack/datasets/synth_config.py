@@ -1,8 +1,11 @@
 """What a synthetic workload looks like: ``SynthConfig`` (tree shape, turn and segment lengths, forks,
-thinking), the four presets (``KINDS``) and ``key=value`` overrides with errors that name the key.
+thinking), the five presets (``KINDS``) and ``key=value`` overrides with errors that name the key.
 
 Length settings are ``LogNormal`` distributions (text lengths in LLM rollouts are close to log-normal);
-the presets' parameters were fitted to real files (see `treepack.datasets.synth` for the measured shapes).
+the first four presets' parameters were fitted to real files (see `treepack.datasets.synth` for the measured
+shapes). ``swe`` is not: no software-engineering agent trajectories were at hand, so its parameters are
+assumptions read off published descriptions of such rollouts (SWE-Gym, SWE-smith, DeepSWE, SkyRL), to be
+refitted when real files come.
 The generator that turns a config into rollouts is `treepack.datasets.synth`.
 """
 
@@ -18,8 +21,7 @@ import numpy as np
 from treepack.datasets.vocab import QWEN3_VOCAB, Vocab
 from treepack.errors import ConfigError
 
-KINDS = ("tau2", "grpo-math", "agentic-think", "low-overlap")
-
+KINDS = ("tau2", "grpo-math", "agentic-think", "low-overlap", "swe")
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,26 @@ PRESETS: dict[str, dict[str, object]] = {
         "turns": LogNormal(1, 0.0, 1, 1),
         "response": LogNormal(250, 0.8, 4, 4096),
         "reward_beta": (1.0, 1.0),
+    },
+    # Software-engineering agent (SWE-agent / OpenHands scaffolds as RL-trained in SWE-Gym, SWE-smith,
+    # DeepSWE, SkyRL). Assumed, not fitted: no such trajectories were measured. A 2.5k-token system prompt
+    # with the tool definitions; the task is the issue text (median 600, tail to several thousand); 8
+    # samples per issue; ~30 turns (a few to 80), tool calls after the first one or two (thought + action
+    # ~150 tokens, arguments ~60; 5% of turns call none and get the user's short "continue"); observations
+    # (file views, grep, test output) heavy-tailed, median 700, up to 8k; no thinking and no forks, so a
+    # sample is one chain; a 64K context ends the longest ones. Issues are mostly unsolved (mean rate 0.25).
+    "swe": {
+        "group_size": 8,
+        "system_tokens": 2500,
+        "prompt": LogNormal(600, 0.7, 64, 8192),
+        "turns": LogNormal(30, 0.5, 3, 80),
+        "response": LogNormal(150, 0.6, 8, 2048),
+        "tool_args": LogNormal(60, 0.7, 8, 2048),
+        "tool_prob": 0.95,
+        "tool_ramp": 2,
+        "observation": LogNormal(700, 1.0, 8, 8192),
+        "max_len": 65536,
+        "reward_beta": (0.5, 1.5),
     },
 }
 

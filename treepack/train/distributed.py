@@ -149,6 +149,21 @@ def shard_batch(packs: list[Pack], *, flops, mode: str = "tree", rank: int | Non
     ``totals`` overrides the normalisers (e.g. `global_totals` of a larger batch). GRPO advantages that
     are normalised per group must be computed on the whole batch first (`losses.group_advantages`)."""
     rank, world_size = rank_and_world(rank, world_size)
+    return _shares(packs, flops, mode, world_size, totals, min_gain, ranks=(rank,))[0]
+
+
+def every_share(packs: list[Pack], *, flops, world_size: int, mode: str = "tree", totals: BatchTotals | None = None,
+                min_gain: float = MIN_GAIN) -> list[RankShare]:
+    """`shard_batch` of every rank from one split (``[shard_batch(..., rank=r) for r in ranks]`` computes the
+    split once per rank): what one process rehearsing ``world_size`` ranks runs (`train.sync.SimulatedRanks`)."""
+    if world_size < 1:
+        raise TreepackError(f"world_size must be >= 1, got {world_size}")
+    return _shares(packs, flops, mode, world_size, totals, min_gain, ranks=tuple(range(world_size)))
+
+
+def _shares(packs: list[Pack], flops, mode: str, world_size: int, totals: BatchTotals | None, min_gain: float,
+            ranks: tuple[int, ...]) -> list[RankShare]:
+    """The split of ``packs`` over ``world_size`` ranks, as the `RankShare` of each of ``ranks``."""
     if not isinstance(flops, FlopModel):  # a ModelArgs
         flops = flop_model(flops)
     layout = layout_of_mode(mode)
@@ -156,8 +171,7 @@ def shard_batch(packs: list[Pack], *, flops, mode: str = "tree", rank: int | Non
         totals = BatchTotals.of([LossRows.from_pack(p) for p in packs])
     units = [_run_costs(p, flops, layout) for p in packs]
     split = balance_units(units, world_size, min_gain=min_gain)
-    mine: list[Pack] = []
-    index: list[int] = []
+    mine: dict[int, tuple[list[Pack], list[int]]] = {r: ([], []) for r in ranks}
     rank_work = [Work() for _ in range(world_size)]
     rank_cost = [0] * world_size
     rank_packs = [0] * world_size
@@ -171,14 +185,15 @@ def shard_batch(packs: list[Pack], *, flops, mode: str = "tree", rank: int | Non
             rank_work[r] = rank_work[r] + work
             rank_cost[r] += flops.cost(work)
             rank_packs[r] += 1
-            if r == rank:
-                mine.append(pack)
-                index.append(piece.unit)
+            if r in mine:
+                mine[r][0].append(pack)
+                mine[r][1].append(piece.unit)
     counts_tokens = (flops.per_token, flops.per_predicted, flops.per_pair) == (1, 0, 0)
-    return RankShare(rank=rank, world_size=world_size, packs=mine, index=index, totals=totals, split=split,
-                     rank_work=rank_work, rank_cost=rank_cost, rank_packs=rank_packs, layout=layout,
-                     cost="tokens" if counts_tokens else "flops",
-                     cut_tokens=sum(w.tokens for w in rank_work) - sum(u.work.tokens for u in units))
+    cut_tokens = sum(w.tokens for w in rank_work) - sum(u.work.tokens for u in units)
+    return [RankShare(rank=r, world_size=world_size, packs=mine[r][0], index=mine[r][1], totals=totals, split=split,
+                      rank_work=rank_work, rank_cost=rank_cost, rank_packs=rank_packs, layout=layout,
+                      cost="tokens" if counts_tokens else "flops", cut_tokens=cut_tokens)
+            for r in ranks]
 
 
 # The arrays a pack's costs read. A step's packs share them with the run's packs (GRPO's advantages make new

@@ -357,6 +357,7 @@ def _train(cfg: RunConfig, packs: list[Pack] | None, log: Callable[[str], None],
                 with autocast:
                     out = mode(model, pack, row, objective, share.totals)
                 out.backward()
+                sync.pack_done(share)
                 if queued is not None:  # the step before, read back once this step's first pack is queued
                     done, queued = queued, None
                     finish(done)

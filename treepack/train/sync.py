@@ -22,6 +22,8 @@ and a step's numbers gathered as soon as it ends (a collective every rank reache
 size 1 it shards nothing: FSDP over one rank cost 21.8% more time per step than the plain loop on an H100
 (Qwen3-0.6B shape, tau-bench packs of 16k; benchmarks/results/2026-11-25-distributed-h100.md), so the rank runs
 the plain loop's operations plus one all-gather of the step's numbers, and still saves DCP checkpoints.
+`SimulatedRanks` (``treepack train --simulate-ranks N``) rehearses N ranks in one process: their split, each
+rank's share timed, the step line and metrics of a data-parallel run, the plain run's gradients.
 
 Rank 0 prints the split of the first step (per-rank packs, tokens, predicted FLOPs, imbalance). ``pred`` is the
 balance's costliest rank over the mean, ``meas`` the same for the ranks' measured compute times, ``idle`` the
@@ -54,7 +56,7 @@ class Share:
     rows: list[LossRows]  # their loss rows
     totals: BatchTotals  # normalisers of the WHOLE global batch
     split: object = None  # data parallel: the `distributed.RankShare` (every rank's load)
-    timer: PackTimer | None = None  # data parallel: this rank's compute time of the packs
+    timer: PackTimer | None = None  # data parallel: this rank's compute time of the packs (simulated: each rank's)
 
 
 class SingleProcess:
@@ -87,6 +89,9 @@ class SingleProcess:
 
     def begin(self, share: Share) -> None:
         """Before the step's first pack."""
+
+    def pack_done(self, share: Share) -> None:
+        """After each pack's backward."""
 
     def finish(self, share: Share) -> None:
         """After the step's last backward: the gradients are the batch's once this returns (or is queued)."""
@@ -190,21 +195,13 @@ class DataParallel(SingleProcess):
         ranks = gather_floats([loss, q.tokens, share.timer.seconds(), q.mem_gb, q.extra.get("compiles", 0),
                                *(q.extra.get(k, 0) for k in kinds)], self.device)
         compute = ranks[:, 2]
-        cost = np.asarray(share.split.rank_cost, dtype=np.float64)
-        rate = cost.sum() / compute.sum() if compute.sum() > 0 else 0.0  # the step's measured FLOP/s per rank
-        predicted = cost / rate if rate else np.zeros_like(cost)
-        idle = compute.max() - compute
         flops = float(sum(self.flops.cost(w) for w in share.split.rank_work))  # model FLOPs, not the balance's cost
         world = self.world_size
         dp = {
-            "world_size": world, **share.split.to_json(),
-            "rank_seconds": compute.tolist(), "rank_idle_seconds": idle.tolist(),
-            "rank_predicted_seconds": predicted.tolist(),
+            "world_size": world, **balance_figures(share.split, compute),
             # what each rank compiled in the step: in all, and by kind (graphs, Triton, FA4: `compile_count.KINDS`)
             "rank_compiles": ranks[:, 4].astype(int).tolist(), "compiles": int(ranks[:, 4].max()),
             **{f"rank_{k}": ranks[:, 5 + i].astype(int).tolist() for i, k in enumerate(kinds)},
-            "imbalance_measured": float(compute.max() / compute.mean()) if compute.mean() > 0 else 1.0,
-            "idle_fraction": float(idle.sum() / (world * compute.max())) if compute.max() > 0 else 0.0,
         }
         if self.calibration is not None:
             dp.update(self._calibrate(share, compute, compiled=bool(ranks[:, 4].max() > 0)))
@@ -226,16 +223,10 @@ class DataParallel(SingleProcess):
         fit = cal.refit() if self.rank == 0 else None
         got = broadcast_floats(fit.as_array() if fit is not None else np.full(4, np.nan), self.device)
         cal.adopt(None if np.isnan(got).any() else Fit(*got.tolist()))
-        if cal.fit is None:
-            return {}
-        model = cal.model()
-        return {"cost_attention_factor": model.per_pair / self.flops.per_pair,
-                "cost_call_flops": model.per_call, "cost_fit_error": cal.fit.rel_error}
+        return fit_figures(cal)
 
     def line_extras(self, stats: StepStats) -> str:
-        e = stats.extra
-        return (f" | dp {e['world_size']} | imbalance {100 * (e['imbalance_predicted'] - 1):.1f}% pred / "
-                f"{100 * (e['imbalance_measured'] - 1):.1f}% meas | idle {100 * e['idle_fraction']:.1f}%")
+        return balance_line(stats.extra)
 
     def save(self, out_dir, model, optimizer, state: dict, *, final: bool) -> None:
         save_checkpoint(out_dir, model, optimizer, state, distributed=True, export_model=final)
@@ -246,25 +237,147 @@ class DataParallel(SingleProcess):
         dist.barrier()
 
 
-class PackTimer:
-    """A rank's compute time of one step's packs: CUDA events around them (read once the step is done, so the
-    host queues the gradient sync, clipping and AdamW behind the packs instead of waiting for them), or the
-    host clock on a CPU, where every op finishes before the next starts."""
+class SimulatedRanks(SingleProcess):
+    """One process rehearses a step of ``world_size`` data-parallel ranks: the split their ranks would make
+    (`distributed.every_share`), every rank's packs one rank after the other, each rank's share timed.
 
-    def __init__(self, device: torch.device) -> None:
-        self.events = None
-        if device.type == "cuda":
-            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self.events[0].record()
-        self.t0, self.t1 = time.perf_counter(), None
+    Why: to see how a run will balance on N GPUs, and let the balance's cost model learn from measured times
+    (`train.balance`), on one GPU. The gradients are the plain run's up to the order of float sums: every
+    share's loss is normalised over the whole batch, and the backward passes sum into one set of gradients as
+    the ranks' reduction would. What it does not show: collectives, the ranks' compiles (a shape one simulated
+    rank compiled is cached for the next), and the speed of N GPUs (the step runs on this one)."""
+
+    def __init__(self, device: torch.device, mode: str, world_size: int, balance: str = "flops") -> None:
+        super().__init__(device)
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.mode, self.simulated = mode, world_size
+        self.measured = balance == "measured" or (balance == "auto" and device.type == "cuda")
+        self.flops = self.calibration = None
+
+    def prepare(self, model) -> None:
+        from treepack.train.distributed import flop_model
+
+        self.flops = flop_model(model.args)
+        if self.measured and self.simulated > 1:
+            from treepack.train.calibration import CostCalibration
+
+            self.calibration = CostCalibration(self.flops)
+
+    def describe(self, param_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> list[str]:
+        return [(f"simulated data parallel: {self.simulated} ranks' shares run one after another in this process "
+                 "(their split, timed per rank; gradients as one process)")]
+
+    def share(self, batch: list[Pack]) -> Share:
+        from treepack.train.distributed import every_share
+
+        flops = self.calibration.model() if self.calibration is not None else self.flops
+        shares = every_share(batch, flops=flops, mode=self.mode, world_size=self.simulated)
+        packs = [p for s in shares for p in s.packs]
+        return Share(packs=packs, rows=[LossRows.from_pack(p) for p in packs], totals=shares[0].totals,
+                     split=shares[0])
+
+    def split_lines(self, share: Share, step: int) -> list[str]:
+        return share.split.table(step)
+
+    def begin(self, share: Share) -> None:
+        share.timer = PackTimer(self.device, rank_ends=np.cumsum(share.split.rank_packs).tolist())
+
+    def pack_done(self, share: Share) -> None:
+        share.timer.pack_done()
+
+    def step_stats(self, q: QueuedStep, peak: float | None) -> StepStats:
+        stats = super().step_stats(q, peak)
+        compute = q.share.timer.intervals()
+        dp = {"world_size": self.simulated, "simulated": True, **balance_figures(q.share.split, compute)}
+        if self.calibration is not None:
+            cal = self.calibration
+            cal.observe(q.share.split.rank_work, compute, compiled=bool(q.extra.get("compiles", 0)))
+            cal.adopt(cal.refit())
+            dp.update(fit_figures(cal))
+        stats.extra = {**stats.extra, **dp}
+        return stats
+
+    def line_extras(self, stats: StepStats) -> str:
+        return balance_line(stats.extra)
+
+
+def balance_figures(split, compute: np.ndarray) -> dict:
+    """A data-parallel step's balance for the metrics: the split (`distributed.RankShare.to_json`), every rank's
+    measured compute and idle seconds, its predicted seconds (its predicted cost at the step's measured rate),
+    the measured imbalance (costliest rank / mean) and the share of the ranks' time spent waiting."""
+    compute = np.asarray(compute, dtype=np.float64)
+    cost = np.asarray(split.rank_cost, dtype=np.float64)
+    rate = cost.sum() / compute.sum() if compute.sum() > 0 else 0.0  # the step's measured FLOP/s per rank
+    predicted = cost / rate if rate else np.zeros_like(cost)
+    idle = compute.max() - compute
+    return {
+        **split.to_json(), "rank_seconds": compute.tolist(), "rank_idle_seconds": idle.tolist(),
+        "rank_predicted_seconds": predicted.tolist(),
+        "imbalance_measured": float(compute.max() / compute.mean()) if compute.mean() > 0 else 1.0,
+        "idle_fraction": float(idle.sum() / (len(compute) * compute.max())) if compute.max() > 0 else 0.0,
+    }
+
+
+def fit_figures(calibration) -> dict:
+    """The fitted cost model's figures for the metrics (none until a fit exists)."""
+    if calibration.fit is None:
+        return {}
+    model = calibration.model()
+    return {"cost_attention_factor": model.per_pair / calibration.base.per_pair,
+            "cost_call_flops": model.per_call, "cost_fit_error": calibration.fit.rel_error}
+
+
+def balance_line(extra: dict) -> str:
+    """What a data-parallel step line adds: ``| dp N | imbalance P% pred / M% meas | idle I%`` (``simulated dp``
+    when one process rehearsed the ranks)."""
+    dp = "simulated dp" if extra.get("simulated") else "dp"
+    return (f" | {dp} {extra['world_size']} | imbalance {100 * (extra['imbalance_predicted'] - 1):.1f}% pred / "
+            f"{100 * (extra['imbalance_measured'] - 1):.1f}% meas | idle {100 * extra['idle_fraction']:.1f}%")
+
+
+class PackTimer:
+    """Compute time of a step's packs: CUDA events (read once the step is done, so the host queues the gradient
+    sync, clipping and AdamW behind the packs instead of waiting for them), or the host clock on a CPU, where
+    every op finishes before the next starts. A rank marks the start and the end of its packs; a simulated run
+    (``rank_ends``: packs run by the end of each rank's share, cumulative) also each rank's end."""
+
+    def __init__(self, device: torch.device, rank_ends: list[int] | None = None) -> None:
+        self.cuda = device.type == "cuda"
+        self.rank_ends = rank_ends
+        self.packs = 0
+        self.marks = [self._now()]
+        self._advance(self.marks[0])
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _advance(self, now=None) -> None:
+        """Mark the end of every rank whose last pack has run (one mark for all of them: a rank without packs
+        takes no time)."""
+        ends = self.rank_ends
+        while ends is not None and len(self.marks) <= len(ends) and ends[len(self.marks) - 1] <= self.packs:
+            now = self._now() if now is None else now
+            self.marks.append(now)
+
+    def pack_done(self) -> None:
+        self.packs += 1
+        self._advance()
 
     def stop(self) -> None:
-        if self.events is not None:
-            self.events[1].record()
-        self.t1 = time.perf_counter()
+        if self.rank_ends is None:
+            self.marks.append(self._now())
+
+    def intervals(self) -> np.ndarray:
+        """Seconds between consecutive marks: a rank's compute, or every simulated rank's."""
+        if not self.cuda:
+            return np.diff(np.asarray(self.marks, dtype=np.float64))
+        self.marks[-1].synchronize()
+        return np.array([a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])])
 
     def seconds(self) -> float:
-        if self.events is None:
-            return self.t1 - self.t0
-        self.events[1].synchronize()
-        return self.events[0].elapsed_time(self.events[1]) / 1e3
+        return float(self.intervals().sum())
