@@ -121,6 +121,9 @@ def test_sub_pack_keeps_every_sequence_field(case, data):
         for s in range(piece.n_sequences):
             in_whole[piece.path(s)] = whole.path(a + s)
         assert (np.diff(in_whole) > 0).all()
+    # a piece (and a piece of it) knows the whole pack's size: it runs that pack's attention kernel
+    assert piece.meta["piece"] == [a, b] and piece.meta["piece_of_tokens"] == pack.n_real
+    assert sub_pack(piece, 0, 1).meta["piece_of_tokens"] == pack.n_real
 
 
 def test_rollout_run_costs_match_the_pack_of_the_same_sequences():

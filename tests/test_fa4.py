@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from test_tree_attention import make_qkv, random_subtree_end
 
 from treepack.kernels import tree_attention
-from treepack.kernels.tree_attention import backends, fa4
+from treepack.kernels.tree_attention import backends, fa4, registry
 from treepack.kernels.tree_attention.blocks import tree_mask, visible_pairs
 
 
@@ -140,6 +140,11 @@ def test_pick_backend_by_measured_crossover(monkeypatch, fa4_installed):
     assert backends.pick_backend(many, H, D, torch.bfloat16, cuda, pairs=small) == expect_big
     assert backends.pick_backend(many - 1, H, D, torch.bfloat16, cuda, pairs=small) == "triton"
     assert backends.pick_backend(many, H, D, torch.bfloat16, cuda, prefix_len=1, pairs=small) == "triton"
+    # a piece of such a pack (cut across data-parallel ranks) runs its whole pack's kernel, whatever its size
+    assert backends.pick_backend(2000, H, D, torch.bfloat16, cuda, pairs=small, whole_tokens=many) == expect_big
+    assert backends.pick_backend(2000, H, D, torch.bfloat16, cuda, pairs=small, whole_tokens=many - 1) == "triton"
+    assert registry._auto_tree(registry.AttentionCall(cuda, torch.bfloat16, H, D, 2000, 0, small,
+                                                      whole_tokens=many)) == expect_big
 
 
 def test_attention_seconds_grows_with_pairs_and_calls():

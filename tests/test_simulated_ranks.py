@@ -155,3 +155,34 @@ def test_benchmark_reports_the_rehearsed_balance(tmp_path, monkeypatch):
     text = bench.report(args, ["--data", "tiny=x.jsonl"], [row], "CPU")
     assert f"| tiny | 3 | measured | {100 * row['predicted']:.1f}% / {100 * row['measured']:.1f}% |" in text
     assert f"{last['cost_attention_factor']:.2f}" in text
+
+
+def test_a_piece_is_routed_as_its_whole_pack(monkeypatch):
+    """Tree mode tells the attention the size of the pack a piece was cut from (a whole pack: 0), so `auto`
+    runs the kernel the whole packs run instead of building another mid-run (`backends.pick_backend`)."""
+    from types import SimpleNamespace
+
+    from treepack.io.rollouts import Rollouts
+    from treepack.pack.balance import sub_pack
+    from treepack.pack.layout import build_pack
+    from treepack.train.modes import tree as tree_mode
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def tree(subtree_end_T, impl="auto", *, host=None, whole_tokens=0):
+        seen.append(whole_tokens)
+        raise Stop
+
+    monkeypatch.setattr(tree_mode.AttentionContext, "tree", staticmethod(tree))
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 7]]
+    r = Rollouts(tokens=np.concatenate(seqs).astype(np.int32), offsets=np.cumsum([0] + [len(s) for s in seqs]),
+                 ids=["a", "b", "c"], loss_mask=np.ones(sum(map(len, seqs)), dtype=np.uint8))
+    pack = build_pack(r)
+    model = SimpleNamespace(device=CPU)
+    for p, want in ((pack, 0), (sub_pack(pack, 1, 3), pack.n_real)):
+        with pytest.raises(Stop):
+            tree_mode.TreeMode()(model, p, None, None, None)
+        assert seen[-1] == want

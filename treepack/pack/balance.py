@@ -458,5 +458,7 @@ def sub_pack(pack: Pack, start: int, stop: int) -> Pack:
     key_T[np.asarray(out.seq_token_index, dtype=np.int64)] = tok_F[src_F]
     out = reorder(out, key_T)
     out.seq_index = np.asarray(pack.seq_index)[start:stop][out.seq_index]
-    out.meta = {**pack.meta, "piece": [int(start), int(stop)]}
+    # the whole pack's size: its pieces run the attention kernel it would (`AttentionContext.tree`)
+    out.meta = {**pack.meta, "piece": [int(start), int(stop)],
+                "piece_of_tokens": int(pack.meta.get("piece_of_tokens", pack.n_real))}
     return out

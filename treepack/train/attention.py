@@ -65,12 +65,14 @@ class AttentionContext:
     schedule: KernelSchedule | None = None  # built by the caller (a dfs call graph's masked prefix); else derived
 
     @classmethod
-    def tree(cls, subtree_end_T: Tensor, impl: str = "auto", *, host: np.ndarray | None = None) -> AttentionContext:
+    def tree(cls, subtree_end_T: Tensor, impl: str = "auto", *, host: np.ndarray | None = None,
+             whole_tokens: int = 0) -> AttentionContext:
         """Tree attention over one pack; prepares the kernel's block schedule once when it will be used.
 
         ``host``: the same ``subtree_end`` on the host, when the caller has it: the checks and per-pack
         numbers are then computed there, with no host sync, so the host can queue this pack while the GPU
-        still runs the previous one."""
+        still runs the previous one. ``whole_tokens``: the pack is a piece of a pack of that many tokens cut
+        across ranks; ``auto`` runs it with its whole pack's kernel (`backends.pick_backend`)."""
         from treepack.kernels import prepare
         from treepack.kernels.tree_attention.blocks import check_subtree_end_values
 
@@ -94,6 +96,7 @@ class AttentionContext:
                 from treepack.kernels import visible_pairs
 
                 info.cache["pairs"] = visible_pairs(info if host is None else host_T)
+                info.cache["whole_tokens"] = int(whole_tokens)
             return cls(kind="tree", impl=impl, mask=info)
         segments = _independent_segments(subtree_end_T) if impl in ("auto", "reference") else ()
         return cls(kind="tree", impl=impl, mask=subtree_end_T, segments=segments)
@@ -133,8 +136,9 @@ class AttentionContext:
             return None
         mask_T = self.mask.subtree_end_T if isinstance(self.mask, TreeMaskInfo) else self.mask
         T = mask_T.shape[0]
-        pairs = self.mask.cache.get("pairs") if isinstance(self.mask, TreeMaskInfo) else None
-        call = AttentionCall(device, dtype, heads, head_dim, T, prefix_len, pairs)
+        cache = self.mask.cache if isinstance(self.mask, TreeMaskInfo) else {}
+        call = AttentionCall(device, dtype, heads, head_dim, T, prefix_len, cache.get("pairs"),
+                             whole_tokens=cache.get("whole_tokens", 0))
         try:
             op = registry.resolve("tree", self.impl, call).name
         except BackendError:

@@ -161,9 +161,9 @@ def tree_attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if prefix_k is not None and prefix_k.shape[0] == 0:
         prefix_k = prefix_v = None
-    pairs = subtree_end.cache.get("pairs") if isinstance(subtree_end, TreeMaskInfo) else None
+    cache = subtree_end.cache if isinstance(subtree_end, TreeMaskInfo) else {}
     call = registry.AttentionCall.of(q, k, v, prefix_k, prefix_v, prefix=0 if prefix_k is None else prefix_k.shape[0],
-                                     pairs=pairs)
+                                     pairs=cache.get("pairs"), whole_tokens=cache.get("whole_tokens", 0))
     try:
         backend = registry.resolve("tree", impl, call)
     except registry.BackendError as exc:

@@ -125,12 +125,17 @@ def attention_seconds(backend: str, pairs: int, heads: int, head_dim: int, calls
 
 
 def pick_backend(num_tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
-                 prefix_len: int = 0, pairs: int | None = None) -> str:
+                 prefix_len: int = 0, pairs: int | None = None, whole_tokens: int = 0) -> str:
     """The exact backend ``impl="auto"`` runs for a call of ``num_tokens`` queries (Hq ``heads`` x ``head_dim``)
     over ``prefix_len`` cached keys plus the call's own: fa4 | triton | reference.
 
     ``pairs``: the call's visible pairs when known (a pack's `visible_pairs`); else T·(T+1)/2 + P·T, the
-    causal bound, which overestimates branchy packs and only moves the choice near the crossover."""
+    causal bound, which overestimates branchy packs and only moves the choice near the crossover.
+    ``whole_tokens``: for a piece of a pack cut across data-parallel ranks, the whole pack's tokens. The piece
+    runs the kernel its pack would: a piece under `FA4_MIN_TOKENS` otherwise went to the Triton kernel, which
+    the run had never built, and its rank compiled mid-run (rehearsed on tau-bench, 4 ranks: step 6's first
+    cut compiled, that step's measured imbalance 247 points off the prediction). The kernels' speeds differ by
+    ~0.2 ms a call there."""
     from .fa4 import FA4_DTYPES, FA4_HEAD_DIMS, fa4_importable, fa4_supported_device
 
     if device.type != "cuda":
@@ -138,7 +143,7 @@ def pick_backend(num_tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
     if pairs is None:
         pairs = num_tokens * (num_tokens + 1) // 2 + prefix_len * num_tokens
     large = (visible_pair_flops(pairs, heads, head_dim) >= FA4_MIN_FLOPS
-             or (prefix_len == 0 and num_tokens >= FA4_MIN_TOKENS))
+             or (prefix_len == 0 and max(num_tokens, whole_tokens) >= FA4_MIN_TOKENS))
     if (dtype in FA4_DTYPES and head_dim in FA4_HEAD_DIMS and fa4_supported_device(device) and large
             and fa4_importable()):
         return "fa4"

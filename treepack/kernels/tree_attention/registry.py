@@ -75,14 +75,16 @@ class AttentionCall:
     window: bool = False  # a sliding window in depth (treepack.hf: Mistral, Gemma 2)
     softcap: bool = False  # attention-logit soft-capping (treepack.hf: Gemma 2)
     fallback: str = "reference"  # tree ``auto`` on CUDA when no fused kernel takes a plain call
+    whole_tokens: int = 0  # a piece of a cut pack: the whole pack's tokens (routed as that pack), else 0
 
     @classmethod
     def of(cls, q_THE: Tensor, *tensors: Tensor | None, prefix: int = 0, pairs: int | None = None,
-           window: bool = False, softcap: bool = False, fallback: str = "reference") -> AttentionCall:
+           window: bool = False, softcap: bool = False, fallback: str = "reference",
+           whole_tokens: int = 0) -> AttentionCall:
         """The call of queries ``q_THE`` ([T, H, E]); ``tensors``: the other inputs whose gradient counts."""
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q_THE, *tensors))
         return cls(q_THE.device, q_THE.dtype, int(q_THE.shape[1]), int(q_THE.shape[-1]), int(q_THE.shape[0]),
-                   prefix, pairs, grad, window, softcap, fallback)
+                   prefix, pairs, grad, window, softcap, fallback, whole_tokens)
 
     @property
     def plain(self) -> bool:
@@ -176,7 +178,7 @@ def _auto_tree(call: AttentionCall) -> str:
         # failed to lower for a soft-capped Gemma 2 (torch 2.11, H100), so float32 takes the chunked reference
         return "flex" if call.dtype in HALF else "reference"
     name = pick_backend(call.tokens, call.heads, call.head_dim, call.dtype, call.device, prefix_len=call.prefix,
-                        pairs=call.pairs)
+                        pairs=call.pairs, whole_tokens=call.whole_tokens)
     return call.fallback if name == "reference" else name
 
 

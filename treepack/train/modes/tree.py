@@ -35,7 +35,8 @@ class TreeMode(Mode):
         ids_T = to_device(np.asarray(pack.input_ids), dev, torch.long)
         pos_T = to_device(np.asarray(pack.position_ids), dev, torch.long)
         subtree_end_T = to_device(np.asarray(pack.subtree_end), dev, torch.int32)
-        attn = AttentionContext.tree(subtree_end_T, self.attention, host=np.asarray(pack.subtree_end))
+        attn = AttentionContext.tree(subtree_end_T, self.attention, host=np.asarray(pack.subtree_end),
+                                     whole_tokens=pack.meta.get("piece_of_tokens", 0))
         hidden_TD = model(ids_T, pos_T, attn).hidden_TD
 
         fast = self.sft_fast_path and objective.kind == "sft"
