@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from test_balance import packs as pack_strategy
 from test_distributed import TOL, losses, max_rel_diff, weights, write_config, write_rollouts
 
+from treepack.pack.balance import KEEP_WHOLE
 from treepack.pack.cost import FlopModel
 from treepack.train.config import load_config
 from treepack.train.distributed import every_share, shard_batch
@@ -186,3 +187,21 @@ def test_a_piece_is_routed_as_its_whole_pack(monkeypatch):
         with pytest.raises(Stop):
             tree_mode.TreeMode()(model, p, None, None, None)
         assert seen[-1] == want
+
+
+def test_the_split_says_when_packs_are_too_few_to_balance():
+    """Two packs of very different cost on 2 ranks: the first split's table says more packs a step would help;
+    an even split, or one with many packs a rank, does not."""
+    from strategies import rollouts_from
+    from test_balance import TOKENS
+
+    from treepack.pack.layout import build_pack
+
+    big = build_pack(rollouts_from([list(range(1, 40)), list(range(1, 30)) + [99]]))
+    small = build_pack(rollouts_from([[5, 6, 7]]))
+    table = shard_batch([big, small], flops=TOKENS, rank=0, world_size=2, min_gain=KEEP_WHOLE).table(1)
+    assert table[-1] == "  2 packs over 2 ranks leave the balance little room: more packs a step let it even the ranks out"
+    even = shard_batch([small, small], flops=TOKENS, rank=0, world_size=2).table(1)
+    assert even[-1].startswith("  imbalance 0.0%")
+    many = shard_batch([big, small, small, small], flops=TOKENS, rank=0, world_size=2, min_gain=KEEP_WHOLE)
+    assert many.imbalance > 1.5 and many.table(1)[-1].startswith("  imbalance ")  # 2 packs a rank: no hint

@@ -44,6 +44,11 @@ from treepack.pack.cost import FlopModel, Work, pack_run_costs, pack_work
 from treepack.pack.layout import Pack
 from treepack.train.losses import BatchTotals, LossRows
 
+# A first split this unbalanced, with under 2 packs a rank, says so: whole packs cannot be evened out, and cutting
+# one recomputes its shared prefix (one 64K pack a rank of long agent chains: 19-35% apart under any cost model,
+# benchmarks/results/2026-11-29-simulated-ranks-h200.md)
+ROOM_IMBALANCE = 1.10
+
 # How each mode lays a pack out, for the cost model; any other mode (tree, dfs, ...) runs the pack's trie.
 MODE_LAYOUTS = {"dense": "flat", "dense-leaf": "leaf"}
 
@@ -130,6 +135,9 @@ class RankShare:
             lines.append(f"  rank {r}: {self.rank_packs[r]} packs | {si(self.rank_work[r].tokens)} tokens"
                          f"{cost} ({100 * self.rank_cost[r] / total:.1f}%)")
         lines.append(f"  imbalance {100 * (self.imbalance - 1):.1f}% (costliest rank / mean - 1)")
+        if self.imbalance > ROOM_IMBALANCE and n_packs < 2 * self.world_size:
+            lines.append(f"  {n_packs} packs over {self.world_size} ranks leave the balance little room: more packs a "
+                         "step let it even the ranks out")
         return lines
 
     def to_json(self) -> dict:
