@@ -25,8 +25,10 @@ demo: install
 	$(TP) tokenize $(CHATS) --tokenizer $(CHAT_TOKENIZER) -o build/demo/tau_bench_turns.parquet --drift
 	$(TP) stats build/demo/tau_bench_turns.parquet --group-by tree_id --min-por 0.5
 
+# In parallel (pytest-xdist): a worker per core, whole files per worker (their module fixtures run once); on a
+# CUDA machine -n auto is 0 workers, a plain run (tests/conftest.py).
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist loadfile --no-loadscope-reorder
 
 bench: bench-stats bench-packing
 

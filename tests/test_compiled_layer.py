@@ -53,6 +53,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_compiled_layer_with_tree_kernel_matches_eager(tmp_path):
     pytest.importorskip("triton", reason="triton is not installed")
     tests = os.path.dirname(os.path.abspath(__file__))
@@ -107,6 +108,7 @@ BUDGET_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_costed_tree_kernel_is_saved_not_recomputed_under_a_memory_budget():
     """Under an activation memory budget, torch's partitioner treats a custom op as free to recompute unless
     ``is_non_builtin_to_include`` is set; treepack sets it (``compiled.WEIGH_KERNEL_OPS``, the default), so the
